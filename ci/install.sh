@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Install dsv4flash and, with `test`, every test dependency (the real megatron-core, megatron-bridge,
+# verl and vllm) into the active Python environment; create and use ./.venv when none is active.
+#   bash ci/install.sh main [-- CMD...]   # the project and its runtime deps, then run CMD in that env
+#   bash ci/install.sh test [-- CMD...]   # + dev tools and the upstream stacks (CPU-only), then CMD
+# Never pulls a CUDA torch on CPU machines and never installs transformer-engine.
+set -euo pipefail
+mode="${1:-test}"
+shift || true
+case "$mode" in main|test) ;; *) echo "ci/install.sh: mode must be 'main' or 'test', got '$mode'" >&2; exit 2;; esac
+if [ "${1:-}" = "--" ]; then shift; fi
+run_after=("$@")
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+  if [ ! -x .venv/bin/python ]; then
+    py="$(command -v python3.11 || command -v python3)"
+    "$py" -m venv .venv
+  fi
+  # shellcheck disable=SC1091
+  source .venv/bin/activate
+fi
+python -c 'import sys; assert sys.version_info >= (3, 11), sys.version' \
+  || { echo "ci/install.sh: Python >= 3.11 required" >&2; exit 2; }
+
+# Pins that keep the stack consistent on CPU: the local CPU torch wheel, and the one transformers
+# release that verl 0.9.1 and megatron-bridge 0.6.2 both accept (vllm 0.33 runs with it too).
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+{ [ -f /etc/xdg/pip/constraints.txt ] && grep -v '^torch[<=>]' /etc/xdg/pip/constraints.txt || true
+  echo "torch==2.13.0"
+  echo "transformers==5.10.4"
+  echo "transformer-engine==0.0.0.invalid.never-install"; } >"$constraints" 2>/dev/null || true
+sed -i '/transformer-engine/d' "$constraints"
+pipi() { python -m pip install --disable-pip-version-check -q -c "$constraints" "$@"; }
+
+has_cuda_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+echo "[install] torch + dsv4flash ($mode)"
+if has_cuda_gpu; then pipi "torch>=2.6"; else pipi "torch==2.13.0"; fi
+if [ "$mode" = "main" ]; then
+  pipi -e ".[plot]"
+  [ "${#run_after[@]}" -eq 0 ] || exec "${run_after[@]}"
+  exit 0
+fi
+pipi -e ".[dev]"
+
+echo "[install] megatron-core 0.19.2 + megatron-bridge 0.6.2 (--no-deps: their full deps are CUDA builds)"
+pipi triton einops "transformers==5.10.4" peft accelerate typing_extensions
+pipi --no-deps --ignore-requires-python "megatron-core==0.19.2" "megatron-bridge==0.6.2"
+
+echo "[install] verl 0.9.1 (base deps only; its extras pin a CUDA torch)"
+pipi "verl==0.9.1"
+
+echo "[install] vllm 0.33.0 (its CPU-usable deps, then the wheel itself --no-deps)"
+wheel_dir="${DSV4FLASH_WHEEL_CACHE:-$HOME/.cache/dsv4flash-wheels}"
+mkdir -p "$wheel_dir"
+ls "$wheel_dir"/vllm-0.33.0-*.whl >/dev/null 2>&1 \
+  || python -m pip download --disable-pip-version-check -q --no-deps -d "$wheel_dir" "vllm==0.33.0"
+vllm_wheel="$(ls "$wheel_dir"/vllm-0.33.0-*.whl | head -n1)"
+vllm_reqs="$(mktemp)"
+python ci/vllm_cpu_requirements.py "$vllm_wheel" >"$vllm_reqs"
+pipi -r "$vllm_reqs"
+rm -f "$vllm_reqs"
+pipi --no-deps "$vllm_wheel"
+
+python - <<'PY'
+import importlib.util, sys, torch
+assert torch.version.cuda is None or torch.cuda.is_available(), "a CUDA torch landed on a machine without a GPU"
+assert importlib.util.find_spec("transformer_engine") is None, "transformer-engine must not be installed on CPU"
+print(f"[install] ok: python {sys.version.split()[0]}, torch {torch.__version__}")
+PY
+[ "${#run_after[@]}" -eq 0 ] || exec "${run_after[@]}"
