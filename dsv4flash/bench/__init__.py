@@ -1,0 +1,16 @@
+"""Benchmarks: `python -m dsv4flash.bench NAME [--json PATH]`, figures measured side by side in one run.
+
+Each benchmark module `dsv4flash.bench.<name>` defines `add_arguments(parser)` (optional) and
+`run(args) -> BenchReport`. Reports print one table with ratios against the baseline and the
+physical limit, and write the same figures as a flat JSON object.
+"""
+
+from dsv4flash.bench.report import BenchReport, Figure
+
+BENCHMARKS: dict[str, str] = {
+    "codecs": "checkpoint codec decode/encode bandwidth vs memcpy and a naive decode; convert peak RSS",
+    "adapters": "packed vs per-expert MoE LoRA load, catalog register/lookup at 1e6, cold-load staircase",
+    "model": "tiny reference model forward+backward step time",
+}
+
+__all__ = ["BENCHMARKS", "BenchReport", "Figure"]
