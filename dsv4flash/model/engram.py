@@ -196,8 +196,9 @@ class EngramHasher(nn.Module):
 
     def extra_repr(self) -> str:
         """Layers, orders and heads; whether a token map is attached."""
+        tmap = "set" if self.has_token_map else "missing"
         return (f"layers={self.layer_ids}, orders=2..{self.max_ngram}, heads={self.n_heads}, "
-                f"compressed_vocab={self.compressed_vocab_size}, token_map={'set' if self.has_token_map else 'missing'}")
+                f"compressed_vocab={self.compressed_vocab_size}, token_map={tmap}")
 
 
 class EngramTable(nn.Module):

@@ -313,3 +313,19 @@ def test_build_compressed_token_map_normalises_like_ref():
     # case/accents/surrounding spaces collapse; all-whitespace tokens share one id; partial UTF-8 bytes
     # are keyed by their raw token string, so they stay apart; ids in order of first appearance.
     assert got == [0, 0, 0, 1, 1, 1, 2, 3, 4, 5, 5, 2]
+
+
+@pytest.mark.gpu
+def test_cuda_hashing_and_forward_match_cpu(tiny):
+    hasher = EngramHasher(tiny)
+    module = Engram(tiny, 0)
+    ids, types, x = _engram_inputs(tiny, seed=6)
+    want_rows = hasher(ids, types)
+    want = module(x, want_rows[0], types < 0)
+    with torch.device("meta"):
+        on_meta = EngramHasher(tiny)
+    on_meta.to_empty(device="cuda")  # materialised straight onto the GPU: constants restored there
+    got_rows = on_meta(ids.cuda(), types.cuda())
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got_rows, want_rows))
+    got = module.cuda()(x.cuda(), got_rows[0], (types < 0).cuda())
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)

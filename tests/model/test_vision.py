@@ -318,3 +318,13 @@ def test_prepare_vl_inputs_end_to_end(tiny, towers):
     vec = torch.ones(tiny.text.hidden_size)
     out = fill_image_embeddings(h, types, rows, vec, 2 * vec, 3 * vec)
     torch.testing.assert_close(out[2:4], rows[0])
+
+
+@pytest.mark.gpu
+def test_cuda_tower_and_aligner_match_cpu(tiny):
+    torch.manual_seed(4)
+    tower, aligner = VisionTower(tiny), Aligner(tiny)
+    img = preprocess_image(_image(42, 84, seed=5), tiny, dtype=torch.float32)
+    want = encode_images(tower, aligner, [img])[0]
+    got = encode_images(tower.cuda(), aligner.cuda(), [img])[0]  # patches follow the tower's device
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
