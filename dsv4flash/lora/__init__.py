@@ -1,0 +1,24 @@
+"""LoRA placement for the reference model: declarative targets, the study's presets, block-diagonal `wo_a`,
+packed routed experts, PEFT I/O and the early-stopped backward. See docs/lora.md."""
+
+from dsv4flash.lora.apply import AdapterInfo, LoraHandle, apply_lora, get_handle
+from dsv4flash.lora.config import PRESETS, LoraConfig, PresetSpec
+from dsv4flash.lora.early_stop import first_trainable_layer, forward_with_early_stop
+from dsv4flash.lora.functional import (block_diagonal, grouped_from_shared_a, grouped_lora_delta, grouped_lora_forward,
+                                       lora_delta, lora_forward, packed_expert_delta)
+from dsv4flash.lora.optim import param_groups
+from dsv4flash.lora.peft_io import load_peft_adapter, read_adapter_config, save_peft_adapter
+from dsv4flash.lora.state import canonical_key, load_lora_state_dict, lora_parameters, lora_state_dict, zero_lora
+from dsv4flash.lora.targets import GROUP_ALIASES, GROUPS, kv_write_modules, module_group, resolve_targets
+
+__all__ = [
+    "AdapterInfo", "LoraHandle", "apply_lora", "get_handle",
+    "PRESETS", "LoraConfig", "PresetSpec",
+    "first_trainable_layer", "forward_with_early_stop",
+    "block_diagonal", "grouped_from_shared_a", "grouped_lora_delta", "grouped_lora_forward", "lora_delta",
+    "lora_forward", "packed_expert_delta",
+    "param_groups",
+    "load_peft_adapter", "read_adapter_config", "save_peft_adapter",
+    "canonical_key", "load_lora_state_dict", "lora_parameters", "lora_state_dict", "zero_lora",
+    "GROUP_ALIASES", "GROUPS", "kv_write_modules", "module_group", "resolve_targets",
+]

@@ -1,0 +1,202 @@
+"""LoRA wrappers that replace reference-model modules in place, keeping every base parameter name.
+
+Each wrapper subclasses the module it replaces and *shares* the base Parameter objects (`weight`,
+`bias`, ...), so `state_dict()` keys of the base stay the release names, `isinstance` checks keep
+working, and the base stays frozen. Adapter factors live next to them:
+
+| wrapper               | replaces                        | factors (in-memory name)                        |
+|-----------------------|---------------------------------|-------------------------------------------------|
+| LoraLinear            | nn.Linear                       | `<m>.lora_A` [r, in], `<m>.lora_B` [out, r]        |
+| GroupedLoraProjection | attn.wo_a (grouped)             | `<m>.lora_A` [G, r, in_g], `<m>.lora_B` [G, out_g, r] |
+| ExpertLoraLinear      | ffn.experts.{e}.w1/w2/w3        | slices of `ffn.experts_lora.{w}.lora_A` [E, r, in], `.lora_B` [E, out, r] |
+| LoraGate              | ffn.gate (router, opt-in only)  | `<m>.lora_A` [r, D], `<m>.lora_B` [E, r]           |
+
+A is initialised like PEFT (Kaiming-uniform, a=√5, i.e. U(±1/√in)) from an explicit generator; B is
+zero, so a fresh adapter leaves the output bit-identical to the base.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4flash.lora.functional import (grouped_lora_delta, grouped_lora_forward, lora_delta, lora_forward)
+from dsv4flash.model.attention import GroupedOutputProjection
+from dsv4flash.model.moe import Gate
+
+
+class LoraModule:
+    """Mixin marking a LoRA wrapper; `lora_kind` names the wrapped base kind."""
+
+    lora_kind: str = ""
+    scaling: float = 1.0
+    lora_dropout: float = 0.0
+
+    def delta_weight(self) -> torch.Tensor:
+        """ΔW in the base weight's layout (fp32)."""
+        raise NotImplementedError
+
+
+def is_lora_module(module: nn.Module) -> bool:
+    """Whether `module` is one of this package's LoRA wrappers."""
+    return isinstance(module, LoraModule)
+
+
+def _factor(shape: tuple[int, ...], dtype: torch.dtype, device, generator: torch.Generator | None,
+            fan_in: int | None) -> nn.Parameter:
+    """A (fan_in given: U(±1/√fan_in)) or B (zeros) factor; nothing is drawn on the meta device."""
+    t = torch.zeros(shape, dtype=dtype, device=device)
+    if fan_in is not None and t.device.type != "meta":
+        bound = 1.0 / math.sqrt(fan_in)
+        draw = torch.rand(shape, generator=generator, dtype=torch.float32) * (2 * bound) - bound
+        t.copy_(draw)
+    return nn.Parameter(t)
+
+
+class LoraLinear(nn.Linear, LoraModule):
+    """y = x·Wᵀ + b + scaling · B·A·dropout(x), W and b shared with (and frozen like) the base Linear."""
+
+    lora_kind = "linear"
+
+    def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float, dtype: torch.dtype,
+                 generator: torch.Generator | None) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        self.scaling, self.lora_dropout = scaling, dropout
+        self.lora_A = _factor((rank, self.in_features), dtype, base.weight.device, generator, self.in_features)
+        self.lora_B = _factor((self.out_features, rank), dtype, base.weight.device, None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] in the base output dtype."""
+        out = F.linear(x, self.weight, self.bias)
+        return out + lora_forward(x, self.lora_A, self.lora_B, self.scaling, self.lora_dropout,
+                                  self.training).to(out.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """ΔW [out, in] (fp32)."""
+        return lora_delta(self.lora_A, self.lora_B, self.scaling)
+
+    def extra_repr(self) -> str:
+        """Base sizes plus rank and scaling."""
+        return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scaling={self.scaling:g}"
+
+
+class GroupedLoraProjection(GroupedOutputProjection, LoraModule):
+    """`wo_a` with block-diagonal LoRA: z_g = W_g·o_g + scaling · B_g·A_g·o_g (no cross-group terms)."""
+
+    lora_kind = "grouped"
+
+    def __init__(self, base: GroupedOutputProjection, rank: int, scaling: float, dropout: float,
+                 dtype: torch.dtype, generator: torch.Generator | None) -> None:
+        nn.Module.__init__(self)
+        self.groups, self.rank, self.in_per_group = base.groups, base.rank, base.in_per_group
+        self.weight = base.weight
+        self.scaling, self.lora_dropout = scaling, dropout
+        device = base.weight.device
+        self.lora_A = _factor((self.groups, rank, self.in_per_group), dtype, device, generator, self.in_per_group)
+        self.lora_B = _factor((self.groups, self.rank, rank), dtype, device, None, None)
+
+    def forward(self, o: torch.Tensor) -> torch.Tensor:
+        """o [B,S,G,in_g] -> [B,S,G·out_g]."""
+        out = super().forward(o)
+        return out + grouped_lora_forward(o, self.lora_A, self.lora_B, self.scaling, self.lora_dropout,
+                                          self.training).to(out.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """ΔW [G·out_g, in_g] in `wo_a.weight`'s group-major layout (fp32)."""
+        return grouped_lora_delta(self.lora_A, self.lora_B, self.scaling)
+
+
+class PackedFactors(nn.Module):
+    """The LoRA factors of one projection of all routed experts of one layer: A [E, r, in], B [E, out, r]."""
+
+    def __init__(self, n_experts: int, rank: int, in_features: int, out_features: int, dtype: torch.dtype,
+                 device, generator: torch.Generator | None) -> None:
+        super().__init__()
+        self.lora_A = _factor((n_experts, rank, in_features), dtype, device, generator, in_features)
+        self.lora_B = _factor((n_experts, out_features, rank), dtype, device, None, None)
+
+
+class PackedExpertLora(nn.Module):
+    """`ffn.experts_lora`: the packed factors of a MoE layer, one `PackedFactors` per adapted projection."""
+
+    def __init__(self, scaling: float, dropout: float) -> None:
+        super().__init__()
+        self.scaling, self.lora_dropout = scaling, dropout
+
+
+class ExpertLoraLinear(nn.Linear, LoraModule):
+    """Routed expert `e`'s w1/w2/w3: base + scaling · B[e]·A[e]·x, reading slices of the packed factors."""
+
+    lora_kind = "expert"
+
+    def __init__(self, base: nn.Linear, factors: PackedFactors, expert: int, scaling: float, dropout: float) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        self.expert, self.scaling, self.lora_dropout = expert, scaling, dropout
+        # A plain attribute, not a submodule: the factors are registered once, under `ffn.experts_lora`.
+        object.__setattr__(self, "_factors", factors)
+
+    @property
+    def lora_A(self) -> torch.Tensor:
+        """This expert's A [r, in] (a view of the packed parameter)."""
+        return self._factors.lora_A[self.expert]
+
+    @property
+    def lora_B(self) -> torch.Tensor:
+        """This expert's B [out, r] (a view of the packed parameter)."""
+        return self._factors.lora_B[self.expert]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        out = F.linear(x, self.weight, self.bias)
+        return out + lora_forward(x, self.lora_A, self.lora_B, self.scaling, self.lora_dropout,
+                                  self.training).to(out.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """ΔW_e [out, in] (fp32)."""
+        return lora_delta(self.lora_A, self.lora_B, self.scaling)
+
+    def extra_repr(self) -> str:
+        """Base sizes plus the expert index."""
+        return f"{super().extra_repr()}, expert={self.expert}, packed"
+
+
+class LoraGate(Gate, LoraModule):
+    """Router with LoRA on its score projection: scores = sqrt(softplus(x·Wᵀ + scaling·B·A·x)) in fp32.
+
+    Opt-in only (no preset targets it): a trained router changes which experts fire, so sampled and
+    trained routes diverge unless the rollout engine serves the same adapter; vLLM has no router LoRA.
+    """
+
+    lora_kind = "router"
+
+    def __init__(self, base: Gate, rank: int, scaling: float, dropout: float, dtype: torch.dtype,
+                 generator: torch.Generator | None) -> None:
+        nn.Module.__init__(self)
+        self.topk, self.route_scale, self.normalise = base.topk, base.route_scale, base.normalise
+        self.weight = base.weight
+        self.bias = base.bias
+        self.register_parameter("bias_vl", base.bias_vl)
+        self.scaling, self.lora_dropout = scaling, dropout
+        n_experts, dim = base.weight.shape
+        self.lora_A = _factor((rank, dim), dtype, base.weight.device, generator, dim)
+        self.lora_B = _factor((n_experts, rank), dtype, base.weight.device, None, None)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Unbiased expert scores [T, E] in fp32, the LoRA delta added before the softplus."""
+        logits = x.float() @ self.weight.float().t()
+        logits = logits + lora_forward(x.float(), self.lora_A, self.lora_B, self.scaling, self.lora_dropout,
+                                       self.training).float()
+        return torch.sqrt(F.softplus(logits))
+
+    def delta_weight(self) -> torch.Tensor:
+        """ΔW [E, D] (fp32)."""
+        return lora_delta(self.lora_A, self.lora_B, self.scaling)

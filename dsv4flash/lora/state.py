@@ -1,0 +1,83 @@
+"""Adapter tensors by canonical name: state dict save/load and group zeroing.
+
+Canonical adapter keys (also the PEFT file keys, minus `base_model.model.`, and the packed layout of
+`dsv4flash.lifecycle.packed`):
+
+    <module>.lora_A.weight / <module>.lora_B.weight          linear, router: [r, in] / [out, r]
+    layers.{i}.attn.wo_a.lora_A.weight / .lora_B.weight        grouped: [G, r, in_g] / [G, out_g, r]
+    layers.{i}.ffn.experts.{w}.lora_A.weight / .lora_B.weight  packed experts: [E, r, in] / [E, out, r]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from dsv4flash.lora.apply import require_handle
+from dsv4flash.lora.targets import expand_groups, module_group
+
+PEFT_PREFIX = "base_model.model."
+_FACTORS = (".lora_A", ".lora_B")
+
+
+def canonical_key(param_name: str) -> str:
+    """In-memory factor name -> canonical adapter key (`…experts_lora.w1.lora_A` -> `…experts.w1.lora_A.weight`)."""
+    if not param_name.endswith(_FACTORS):
+        raise ValueError(f"{param_name!r} is not a LoRA factor parameter (expected a name ending in .lora_A/.lora_B)")
+    return param_name.replace(".ffn.experts_lora.", ".ffn.experts.") + ".weight"
+
+
+def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Canonical key -> adapter Parameter (the live objects, in module order)."""
+    return {canonical_key(n): p for n, p in model.named_parameters() if n.endswith(_FACTORS)}
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Canonical key -> detached adapter tensor (shares storage with the live parameters)."""
+    require_handle(model, "lora_state_dict")
+    return {k: p.detach() for k, p in lora_parameters(model).items()}
+
+
+def load_lora_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True,
+                         source: str = "<state dict>") -> list[str]:
+    """Copy adapter tensors into the model (keys canonical, optionally PEFT-prefixed); returns keys loaded.
+
+    Shapes must match exactly; with `strict`, missing and unexpected keys are errors naming them.
+    """
+    require_handle(model, "load_lora_state_dict")
+    params = lora_parameters(model)
+    given = {k.removeprefix(PEFT_PREFIX): v for k, v in state.items()}
+    missing = [k for k in params if k not in given]
+    unexpected = [k for k in given if k not in params]
+    if strict and (missing or unexpected):
+        raise KeyError(f"{source}: adapter keys do not match the model's LoRA placement: missing {missing[:5]}"
+                       f"{' …' if len(missing) > 5 else ''} ({len(missing)}), unexpected {unexpected[:5]}"
+                       f"{' …' if len(unexpected) > 5 else ''} ({len(unexpected)})")
+    loaded = []
+    with torch.no_grad():
+        for key, value in given.items():
+            if key not in params:
+                continue
+            param = params[key]
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"{source}: tensor {key!r} has shape {list(value.shape)}, the model's adapter "
+                                 f"expects {list(param.shape)}")
+            param.copy_(value.to(device=param.device))
+            loaded.append(key)
+    return loaded
+
+
+def zero_lora(model: nn.Module, group: str | Iterable[str] | None = None) -> list[str]:
+    """Zero B (so ΔW = 0 exactly) of every adapter, or of those in `group` (names or aliases, see
+    `targets.GROUPS` / `GROUP_ALIASES`); returns the adapter modules zeroed."""
+    require_handle(model, "zero_lora")
+    groups = None if group is None else expand_groups(group if isinstance(group, str) else tuple(group))
+    zeroed = []
+    with torch.no_grad():
+        for key, param in lora_parameters(model).items():
+            if key.endswith(".lora_B.weight") and (groups is None or module_group(key) in groups):
+                param.zero_()
+                zeroed.append(key.removesuffix(".lora_B.weight"))
+    return zeroed
