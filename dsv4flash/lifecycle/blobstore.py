@@ -1,0 +1,187 @@
+"""Content-addressed object store on a (possibly shared) filesystem: `objects/<aa>/<sha256>`.
+
+A blob becomes visible only by `os.replace` of a fully written, fsynced temp file onto its content
+address, followed by an fsync of the directory; a crash at any point leaves either no blob or a
+complete one, plus at worst a stale `tmp/*.part` file that `gc` removes after a grace period. The
+same bytes always land at the same address, so a repeated publish is a no-op.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from dsv4flash.lifecycle.errors import IntegrityError
+from dsv4flash.lifecycle.faults import crashpoint
+
+__all__ = ["BlobStore", "BlobWriter", "BlobInfo", "fsync_dir", "sha256_file"]
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename/create/unlink in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 16 << 20) -> str:
+    """Hex sha256 of a file, streamed."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """A stored blob: its content address, size and modification time."""
+
+    key: str
+    size: int
+    mtime: float
+
+
+class BlobWriter:
+    """A write-once temp file that hashes as it goes and commits to its content address."""
+
+    def __init__(self, store: "BlobStore", expected_size: int | None = None):
+        self._store = store
+        self._tmp = store.tmp_dir / f"{uuid.uuid4().hex}.part"
+        self._file = open(self._tmp, "wb")
+        self._hash = hashlib.sha256()
+        self._written = 0
+        self._half = (expected_size or 0) // 2
+        self._crossed_half = False
+        self.key: str | None = None
+        crashpoint("blob.open")
+
+    def write(self, data) -> int:
+        """Append bytes (any buffer) and fold them into the hash."""
+        view = memoryview(data).cast("B")
+        self._file.write(view)
+        self._hash.update(view)
+        self._written += len(view)
+        if not self._crossed_half and self._half and self._written >= self._half:
+            self._crossed_half = True
+            self._file.flush()  # so a crash here really leaves a half-written file behind
+            crashpoint("blob.mid_write")
+        return len(view)
+
+    def commit(self) -> str:
+        """fsync, rename to `objects/<aa>/<sha256>` (dedup if present) and return the hex key."""
+        crashpoint("blob.before_fsync")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        key = self._hash.hexdigest()
+        final = self._store.path(key)
+        crashpoint("blob.before_rename")
+        if final.exists() and final.stat().st_size == self._written:
+            os.unlink(self._tmp)  # identical content already published
+            os.utime(final)  # a fresh mtime keeps gc's grace period from collecting it mid-publish
+        else:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self._tmp, final)
+            fsync_dir(final.parent)
+        crashpoint("blob.after_rename")
+        self.key = key
+        return key
+
+    def abort(self) -> None:
+        """Drop the temp file."""
+        if not self._file.closed:
+            self._file.close()
+        if self._tmp.exists():
+            os.unlink(self._tmp)
+
+    def __enter__(self) -> "BlobWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None or self.key is None:
+            self.abort()
+
+
+class BlobStore:
+    """Immutable blobs addressed by sha256 under one root directory."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.objects = self.root / "objects"
+        self.tmp_dir = self.root / "tmp"
+        self.objects.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+
+    def path(self, key: str) -> Path:
+        """Where blob `key` lives (whether or not it exists)."""
+        if len(key) != 64 or not set(key) <= _HEX:
+            raise ValueError(f"blob key {key!r} is not a 64-hex sha256")
+        return self.objects / key[:2] / key
+
+    def exists(self, key: str) -> bool:
+        """Whether the blob is stored."""
+        return self.path(key).is_file()
+
+    def writer(self, expected_size: int | None = None) -> BlobWriter:
+        """A new temp-file writer; call `commit()` to publish it."""
+        return BlobWriter(self, expected_size)
+
+    def put_bytes(self, data: bytes) -> str:
+        """Store bytes and return their key."""
+        with self.writer(len(data)) as w:
+            w.write(data)
+            return w.commit()
+
+    def put_stream(self, produce: Callable[[BlobWriter], None], expected_size: int | None = None) -> str:
+        """Store whatever `produce(writer)` writes and return the key."""
+        with self.writer(expected_size) as w:
+            produce(w)
+            return w.commit()
+
+    def read_bytes(self, key: str, verify: bool = True) -> bytes:
+        """The whole blob, checked against its address unless `verify=False`."""
+        data = self.path(key).read_bytes()
+        if verify and hashlib.sha256(data).hexdigest() != key:
+            raise IntegrityError(f"blob {self.path(key)} does not hash to its address {key}")
+        return data
+
+    def verify(self, key: str) -> None:
+        """Raise `IntegrityError` if the stored bytes no longer hash to `key`."""
+        actual = sha256_file(self.path(key))
+        if actual != key:
+            raise IntegrityError(f"blob {self.path(key)} hashes to {actual}, not its address {key}")
+
+    def delete(self, key: str) -> int:
+        """Remove a blob; returns the bytes freed (0 if it was absent)."""
+        path = self.path(key)
+        try:
+            size = path.stat().st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        return size
+
+    def iter_blobs(self) -> Iterator[BlobInfo]:
+        """Every stored blob."""
+        for sub in self.objects.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                if entry.is_file() and len(entry.name) == 64:
+                    st = entry.stat()
+                    yield BlobInfo(entry.name, st.st_size, st.st_mtime)
+
+    def stale_temp_files(self, older_than_s: float) -> list[Path]:
+        """Temp files of writers that died more than `older_than_s` seconds ago."""
+        cutoff = time.time() - older_than_s
+        return [p for p in self.tmp_dir.glob("*.part") if p.stat().st_mtime < cutoff]
