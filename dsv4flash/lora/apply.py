@@ -136,7 +136,8 @@ def _wrap(base: nn.Module, kind: str, cfg: LoraConfig, dtype, gen) -> nn.Module:
     if kind == "linear":
         return LoraLinear(base, cfg.rank, cfg.scaling, cfg.dropout, dtype, gen)
     if kind == "grouped":
-        return GroupedLoraProjection(base, cfg.rank, cfg.scaling, cfg.dropout, dtype, gen)
+        return GroupedLoraProjection(base, cfg.rank, cfg.scaling, cfg.dropout, dtype, gen,
+                                     shared_a=cfg.wo_a_lora == "shared_a")
     if kind == "router":
         return LoraGate(base, cfg.rank, cfg.scaling, cfg.dropout, dtype, gen)
     raise AssertionError(f"unknown LoRA candidate kind {kind!r}")

@@ -36,6 +36,7 @@ NO_DOWN_PROJ_EXCLUDE: tuple[str, ...] = ("layers.*.ffn.experts.*.w2",)
 
 VIT_MODES = ("frozen", "train")
 LORA_DTYPES = ("float32", "bfloat16", "float16")
+WO_A_MODES = ("per_group", "shared_a")
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,9 @@ class LoraConfig:
 
     `preset="custom"` starts from nothing: `include` must then be given (the other fields take the
     `PresetSpec` defaults). `alpha` defaults to 2·rank (the study's setting), `dropout` applies to the
-    adapter input only. `seed` makes the A initialisation independent of the global RNG.
+    adapter input only. `seed` makes the A initialisation independent of the global RNG. `wo_a_lora`
+    picks the block-diagonal parameterisation of the grouped `wo_a`: `per_group` (A_g, B_g per group) or
+    `shared_a` (one A for all groups, per-group B_g; miles/NeMo, G× fewer A parameters).
     """
 
     preset: str = "full_linear"
@@ -94,6 +97,7 @@ class LoraConfig:
     include: list[str] | None = None
     exclude: list[str] | None = None
     lora_dtype: str = "float32"
+    wo_a_lora: str = "per_group"
     seed: int = 0
     # Filled by __post_init__: whether `include` came from the preset (preset rules may match nothing
     # on a model that lacks, say, Engram; explicit rules must match something).
@@ -130,6 +134,8 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.vit must be one of {VIT_MODES}, got {self.vit!r}")
         if not self.vit_lr_mult > 0:
             raise ValueError(f"LoraConfig.vit_lr_mult must be > 0, got {self.vit_lr_mult!r}")
+        if self.wo_a_lora not in WO_A_MODES:
+            raise ValueError(f"LoraConfig.wo_a_lora must be one of {WO_A_MODES}, got {self.wo_a_lora!r}")
         if self.lora_dtype not in LORA_DTYPES:
             raise ValueError(f"LoraConfig.lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
         for kind in ("include", "exclude"):

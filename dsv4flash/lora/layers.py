@@ -8,6 +8,7 @@ working, and the base stays frozen. Adapter factors live next to them:
 |-----------------------|---------------------------------|-------------------------------------------------|
 | LoraLinear            | nn.Linear                       | `<m>.lora_A` [r, in], `<m>.lora_B` [out, r]        |
 | GroupedLoraProjection | attn.wo_a (grouped)             | `<m>.lora_A` [G, r, in_g], `<m>.lora_B` [G, out_g, r] |
+|                       |   (`wo_a_lora="shared_a"`)      | `<m>.lora_A` [r, in_g], `<m>.lora_B` [G·out_g, r]    |
 | ExpertLoraLinear      | ffn.experts.{e}.w1/w2/w3        | slices of `ffn.experts_lora.{w}.lora_A` [E, r, in], `.lora_B` [E, out, r] |
 | LoraGate              | ffn.gate (router, opt-in only)  | `<m>.lora_A` [r, D], `<m>.lora_B` [E, r]           |
 
@@ -92,14 +93,16 @@ class GroupedLoraProjection(GroupedOutputProjection, LoraModule):
     lora_kind = "grouped"
 
     def __init__(self, base: GroupedOutputProjection, rank: int, scaling: float, dropout: float,
-                 dtype: torch.dtype, generator: torch.Generator | None) -> None:
+                 dtype: torch.dtype, generator: torch.Generator | None, shared_a: bool = False) -> None:
         nn.Module.__init__(self)
         self.groups, self.rank, self.in_per_group = base.groups, base.rank, base.in_per_group
         self.weight = base.weight
         self.scaling, self.lora_dropout = scaling, dropout
         device = base.weight.device
-        self.lora_A = _factor((self.groups, rank, self.in_per_group), dtype, device, generator, self.in_per_group)
-        self.lora_B = _factor((self.groups, self.rank, rank), dtype, device, None, None)
+        a_shape = (rank, self.in_per_group) if shared_a else (self.groups, rank, self.in_per_group)
+        b_shape = (self.groups * self.rank, rank) if shared_a else (self.groups, self.rank, rank)
+        self.lora_A = _factor(a_shape, dtype, device, generator, self.in_per_group)
+        self.lora_B = _factor(b_shape, dtype, device, None, None)
 
     def forward(self, o: torch.Tensor) -> torch.Tensor:
         """o [B,S,G,in_g] -> [B,S,G·out_g]."""
@@ -109,7 +112,7 @@ class GroupedLoraProjection(GroupedOutputProjection, LoraModule):
 
     def delta_weight(self) -> torch.Tensor:
         """ΔW [G·out_g, in_g] in `wo_a.weight`'s group-major layout (fp32)."""
-        return grouped_lora_delta(self.lora_A, self.lora_B, self.scaling)
+        return grouped_lora_delta(self.lora_A, self.lora_B, self.scaling, self.groups)
 
 
 class PackedFactors(nn.Module):

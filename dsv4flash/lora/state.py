@@ -81,3 +81,26 @@ def zero_lora(model: nn.Module, group: str | Iterable[str] | None = None) -> lis
                 param.zero_()
                 zeroed.append(key.removesuffix(".lora_B.weight"))
     return zeroed
+
+
+def base_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict without adapter factors: release names only (what a base checkpoint holds)."""
+    return {k: v for k, v in model.state_dict().items() if not k.endswith(_FACTORS) and ".experts_lora." not in k}
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Release-named state dict with every adapter folded in (W + ΔW, in W's dtype); the model is untouched.
+
+    Loading it into a fresh base model reproduces the adapted model's outputs up to the rounding of W's
+    dtype (fp32: ~1e-6 relative).
+    """
+    from dsv4flash.lora.layers import is_lora_module
+
+    require_handle(model, "merged_state_dict")
+    out = base_state_dict(model)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if is_lora_module(module):
+                key = f"{name}.weight"
+                out[key] = (out[key].float() + module.delta_weight().to(out[key].device)).to(out[key].dtype)
+    return out
