@@ -23,6 +23,7 @@ __all__ = [
     "fingerprint_from_parts",
     "base_fingerprint",
     "census_rows_from_state_dict",
+    "checkpoint_fingerprint",
     "check_compatible",
 ]
 
@@ -110,16 +111,18 @@ def base_fingerprint(cfg: Any, census_rows: Iterable[Sequence[Any]] | None = Non
 
 
 def _release_census(cfg: Any) -> list[CensusRow]:
-    # Imported lazily: the census module belongs to the core and may not be importable in every
-    # deployment of the lifecycle (e.g. a catalog-only node).
-    try:
-        from dsv4flash import census as census_mod  # noqa: PLC0415
-    except ImportError as exc:  # pragma: no cover - depends on the tree state
-        raise RuntimeError(
-            "dsv4flash.census is not importable, so the release census of this config cannot be "
-            "computed; pass census_rows= explicitly (e.g. census_rows_from_state_dict(model.state_dict()))"
-        ) from exc
-    return [(t.name, t.dtype, tuple(t.shape)) for t in census_mod.release_census(cfg)]
+    # Imported lazily: the census builds the reference model on `meta`, which a catalog-only node
+    # (no model code paths) never needs.
+    from dsv4flash.census import census  # noqa: PLC0415
+
+    return [(t.name, t.dtype, tuple(t.shape)) for t in census(cfg)]
+
+
+def checkpoint_fingerprint(cfg: Any, directory: str) -> BaseFingerprint:
+    """Fingerprint of a release checkpoint on disk (census read from its safetensors headers)."""
+    from dsv4flash.census import checkpoint_census  # noqa: PLC0415
+
+    return fingerprint_from_parts(cfg.to_json(), [(t.name, t.dtype, tuple(t.shape)) for t in checkpoint_census(directory)])
 
 
 def check_compatible(adapter_fp: BaseFingerprint | str, resident_fp: BaseFingerprint | str, *, what: str) -> None:

@@ -7,7 +7,10 @@ Packed layout (this module):           layers.{i}.ffn.experts.{w1|w2|w3}.lora_A.
 For V4.1 (40 MoE layers × 384 experts × 3 projections × A/B) that is 92 160 tensors → 240, the same
 bytes. The packed tensors are exactly the engine's stacked per-expert buffers (vLLM's
 `w13_lora_a_stacked[slot]` is `[E, r, in]`), so loading is one read and no per-tensor work.
-Non-expert LoRA modules (attention, shared experts, …) are carried unchanged as `dense`.
+Non-expert LoRA modules (attention, shared experts, …) are carried unchanged as `dense`, including
+the block-diagonal grouped `wo_a` factors `[G, r, in_g]` / `[G, out_g, r]` of `dsv4flash.lora`. The
+packed names are the canonical adapter keys of `dsv4flash.lora.state`, so `lora_state_dict(model)`
+is directly a packed adapter.
 Conversion is lossless both ways: stacking and unstacking only copy bytes.
 """
 
@@ -56,9 +59,10 @@ class PackedMoELoRA:
                 raise AdapterFormatError(f"{where}: expected A [E={self.num_experts}, r, in] and B [E, out, r], got {list(a.shape)} / {list(b.shape)}")
             self._check_rank(where, a.shape[1], b.shape[2])
         for name, (a, b) in self.dense.items():
-            if a.dim() != 2 or b.dim() != 2:
-                raise AdapterFormatError(f"{name}: expected A [r, in] and B [out, r], got {list(a.shape)} / {list(b.shape)}")
-            self._check_rank(name, a.shape[0], b.shape[1])
+            # 2-D plain linears; 3-D [G, r, in_g]/[G, out_g, r] block-diagonal (grouped wo_a) factors
+            if a.dim() != b.dim() or a.dim() not in (2, 3) or (a.dim() == 3 and a.shape[0] != b.shape[0]):
+                raise AdapterFormatError(f"{name}: expected A [r, in] / B [out, r] (or grouped [G, r, in_g] / [G, out_g, r]), got {list(a.shape)} / {list(b.shape)}")
+            self._check_rank(name, a.shape[-2], b.shape[-1])
 
     def _check_rank(self, where: str, ra: int, rb: int) -> None:
         if ra != self.rank or rb != self.rank:
@@ -164,7 +168,7 @@ class PackedMoELoRA:
             )
         dpairs = {k: _pair(v, k, source) for k, v in dense.items()}
         first = next(iter(experts.values()), None)
-        rank = first[0].shape[1] if first else next(iter(dpairs.values()))[0].shape[0]
+        rank = first[0].shape[1] if first else next(iter(dpairs.values()))[0].shape[-2]
         return cls(rank=rank, alpha=alpha, num_experts=num_experts, experts=experts, dense=dpairs)
 
     # ---- math ----
@@ -172,6 +176,8 @@ class PackedMoELoRA:
         """The weight update `scaling · B @ A` (fp32) of a dense module or one routed expert."""
         if expert is None:
             a, b = self.dense[module]
+            if a.dim() == 3:  # grouped wo_a: ΔW in the stored [G·out_g, in_g] layout of the base weight
+                return (self.scaling * torch.bmm(b.float(), a.float())).flatten(0, 1)
         else:
             m = re.fullmatch(r"layers\.(\d+)\.ffn\.experts\.(w[123])", module)
             if not m:

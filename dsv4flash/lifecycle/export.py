@@ -1,0 +1,206 @@
+"""Export a packed adapter to the layouts engines load, and import them back (lossless).
+
+* **PEFT per-expert** (`export_peft`): `adapter_config.json` + `adapter_model.safetensors` with keys
+  `base_model.model.layers.{i}.ffn.experts.{e}.{w1|w2|w3}.lora_{A|B}.weight` — vLLM's 2-D MoE LoRA
+  layout (what DeepSeek V4/V4.1 load by default, `is_3d_moe_weight=False`) and HF PEFT's.
+* **vLLM 3-D** (`export_vllm_3d`): per MoE layer four tensors, PEFT `target_parameters` style:
+  `…ffn.experts.base_layer.lora_A/B.weight` (fused gate_up = [w1; w3]) and `…ffn.experts.lora_A/B.weight`
+  (down = w2). lora_A is `[E·R, in]` with the expert index slowest, lora_B is `[out, E·R]` with the
+  expert index *fastest* (vLLM 0.33 `_convert_3d_to_2d_moe_lora` reshapes B as `[out, R, E]`).
+  The fused gate_up shares one A, so separate w1/w3 factors of rank r become one rank-2r factor:
+  A = [A1; A3], B = [[B1, 0], [0, B3]] — exact — with `rank_pattern`/`alpha_pattern` on
+  `ffn.experts.gate_up_proj` (2r, 2·alpha) so alpha/rank is unchanged. Load it in vLLM with
+  `enable_mixed_moe_lora_format=True` and `LoRARequest(..., is_3d_lora_weight=True)`.
+Both write into a temp directory, fsync, then rename: a crash leaves the old directory or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dsv4flash.lifecycle.blobstore import fsync_dir
+from dsv4flash.lifecycle.errors import AdapterFormatError
+from dsv4flash.lifecycle.faults import crashpoint
+from dsv4flash.lifecycle.packed import EXPERT_PROJECTIONS, PackedMoELoRA
+from dsv4flash.lifecycle.safetensors_io import read_safetensors, write_safetensors
+
+__all__ = ["export_peft", "import_peft", "export_vllm_3d", "import_vllm_3d", "PEFT_PREFIX", "CONFIG_NAME", "WEIGHTS_NAME"]
+
+PEFT_PREFIX = "base_model.model."
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+_GATE_UP, _DOWN = "ffn.experts.gate_up_proj", "ffn.experts.down_proj"
+
+
+def _base_config(adapter: PackedMoELoRA, base_model_name_or_path: str | None, layout: str) -> dict[str, Any]:
+    plain = sorted({name.rsplit(".", 1)[-1] for name, (a, _) in adapter.dense.items() if a.dim() == 2})
+    grouped = sorted(name for name, (a, _) in adapter.dense.items() if a.dim() == 3)
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "r": adapter.rank, "lora_alpha": adapter.alpha, "lora_dropout": 0.0, "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
+        "use_dora": False, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
+        "target_modules": plain,
+        "dsv4flash": {"layout": layout, "num_experts": adapter.num_experts, "grouped_modules": grouped,
+                      "moe_layers": adapter.moe_layers()},
+    }
+
+
+def _write_dir(directory: str | os.PathLike, overwrite: bool, write: Callable[[Path], None]) -> Path:
+    target = Path(directory)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} exists (pass overwrite=True to replace it)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        for p in tmp.iterdir():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(tmp)
+        crashpoint("export.before_rename")
+        old = None
+        if target.exists():
+            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(target, old)
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _write_files(tmp: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    half = [False]
+
+    def progress(done: int, _total: int) -> None:
+        if not half[0] and done >= size // 2:
+            half[0] = True
+            crashpoint("export.mid_write")
+
+    with open(tmp / WEIGHTS_NAME, "wb") as f:
+        write_safetensors(f, tensors, {"format": "pt"}, on_progress=progress)
+    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _read_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
+    directory = Path(directory)
+    cfg_path, weights = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    if not cfg_path.is_file():
+        raise AdapterFormatError(f"{cfg_path}: missing (not a PEFT adapter directory)")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise AdapterFormatError(f"{cfg_path}: not valid JSON ({exc})") from None
+    if config.get("peft_type") != "LORA":
+        raise AdapterFormatError(f"{cfg_path}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
+    if not weights.is_file():
+        raise AdapterFormatError(f"{weights}: missing adapter weights")
+    tensors, _ = read_safetensors(weights)
+    bad = [k for k in tensors if not k.startswith(PEFT_PREFIX)]
+    if bad:
+        raise AdapterFormatError(f"{weights}: tensor {bad[0]!r} lacks the PEFT prefix {PEFT_PREFIX!r}")
+    return config, {k.removeprefix(PEFT_PREFIX): v for k, v in tensors.items()}, weights
+
+
+# ---- PEFT per-expert (vLLM 2-D) ----
+def export_peft(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None, overwrite: bool = False) -> Path:
+    """Write the per-expert PEFT directory (`w1`/`w2`/`w3` per expert) for `adapter`."""
+    config = _base_config(adapter, base_model_name_or_path, "peft_per_expert")
+    if adapter.experts:
+        config["target_modules"] = sorted(set(config["target_modules"]) | {p for _, p in adapter.experts})
+    tensors = {PEFT_PREFIX + k: v for k, v in adapter.to_per_expert().items()}
+    return _write_dir(directory, overwrite, lambda tmp: _write_files(tmp, tensors, config))
+
+
+def import_peft(directory: str | os.PathLike) -> PackedMoELoRA:
+    """Read a per-expert PEFT directory back into packed form (bit-exact)."""
+    config, tensors, weights = _read_dir(directory)
+    return PackedMoELoRA.from_per_expert(tensors, alpha=float(config["lora_alpha"]), source=str(weights))
+
+
+# ---- vLLM 3-D ----
+def export_vllm_3d(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None, overwrite: bool = False) -> Path:
+    """Write vLLM's 3-D fused MoE LoRA directory (gate_up at rank 2r, block-diagonal; down at rank r)."""
+    r, tensors = adapter.rank, {}
+    for layer in adapter.moe_layers():
+        missing = [p for p in EXPERT_PROJECTIONS if (layer, p) not in adapter.experts]
+        if missing:
+            raise AdapterFormatError(f"layer {layer}: the 3-D layout fuses w1/w3 and needs w2 too; this adapter has no {missing} LoRA there")
+        (a1, b1), (a2, b2), (a3, b3) = (adapter.experts[(layer, p)] for p in EXPERT_PROJECTIONS)
+        e, _, hidden = a1.shape
+        inter = b1.shape[1]
+        gate_up_a = torch.cat([a1, a3], dim=1)  # [E, 2r, H]
+        gate_up_b = torch.zeros(e, 2 * inter, 2 * r, dtype=b1.dtype)  # [E, 2I, 2r], block-diagonal
+        gate_up_b[:, :inter, :r] = b1
+        gate_up_b[:, inter:, r:] = b3
+        stem = f"{PEFT_PREFIX}layers.{layer}.ffn.experts"
+        tensors[f"{stem}.base_layer.lora_A.weight"] = gate_up_a.reshape(e * 2 * r, hidden)
+        tensors[f"{stem}.base_layer.lora_B.weight"] = gate_up_b.permute(1, 2, 0).reshape(2 * inter, 2 * r * e)  # col = k·E + e
+        tensors[f"{stem}.lora_A.weight"] = a2.reshape(e * r, inter)
+        tensors[f"{stem}.lora_B.weight"] = b2.permute(1, 2, 0).reshape(hidden, r * e)
+    for name, (a, b) in adapter.dense.items():
+        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a
+        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b
+    config = _base_config(adapter, base_model_name_or_path, "vllm_3d")
+    if adapter.experts:
+        config["target_parameters"] = [_GATE_UP, _DOWN]
+        config["rank_pattern"] = {_GATE_UP: 2 * r}
+        config["alpha_pattern"] = {_GATE_UP: 2 * adapter.alpha}
+        config["dsv4flash"]["gate_up"] = "block_diagonal_rank_2r"
+    return _write_dir(directory, overwrite, lambda tmp: _write_files(tmp, tensors, config))
+
+
+def import_vllm_3d(directory: str | os.PathLike) -> PackedMoELoRA:
+    """Read a 3-D fused MoE LoRA directory into packed form (exact for our exports and shared-A adapters)."""
+    config, tensors, weights = _read_dir(directory)
+    r, alpha = int(config["r"]), float(config["lora_alpha"])
+    gu_rank = int(config.get("rank_pattern", {}).get(_GATE_UP, r))
+    gu_alpha = float(config.get("alpha_pattern", {}).get(_GATE_UP, alpha))
+    experts, dense = {}, {}
+    layers = sorted({int(k.split(".")[1]) for k in tensors if ".ffn.experts.base_layer." in k})
+    for layer in layers:
+        stem = f"layers.{layer}.ffn.experts"
+        try:
+            gu_a, gu_b = tensors.pop(f"{stem}.base_layer.lora_A.weight"), tensors.pop(f"{stem}.base_layer.lora_B.weight")
+            dn_a, dn_b = tensors.pop(f"{stem}.lora_A.weight"), tensors.pop(f"{stem}.lora_B.weight")
+        except KeyError as exc:
+            raise AdapterFormatError(f"{weights}: layer {layer} lacks {PEFT_PREFIX}{exc.args[0]}") from None
+        e = gu_a.shape[0] // gu_rank
+        inter, hidden = gu_b.shape[0] // 2, gu_a.shape[1]
+        a13 = gu_a.reshape(e, gu_rank, hidden)
+        b13 = gu_b.reshape(2 * inter, gu_rank, e).permute(2, 0, 1)  # [E, 2I, R]
+        a2 = dn_a.reshape(e, r, inter).contiguous()
+        b2 = dn_b.reshape(hidden, r, e).permute(2, 0, 1).contiguous()
+        if gu_rank == 2 * r and gu_alpha / gu_rank == alpha / r and not b13[:, :inter, r:].any() and not b13[:, inter:, :r].any():
+            pairs = {"w1": (a13[:, :r], b13[:, :inter, :r]), "w3": (a13[:, r:], b13[:, inter:, r:])}
+        elif gu_rank == r and gu_alpha == alpha:  # a shared-A 3-D adapter: w1 and w3 both use A
+            pairs = {"w1": (a13, b13[:, :inter]), "w3": (a13, b13[:, inter:])}
+        else:
+            raise AdapterFormatError(f"{weights}: layer {layer} gate_up has rank {gu_rank}/alpha {gu_alpha} that does not map onto "
+                                     f"separate w1/w3 factors of rank {r}/alpha {alpha} without changing the adapter")
+        pairs["w2"] = (a2, b2)
+        for proj, (a, b) in pairs.items():
+            experts[(layer, proj)] = (a.contiguous().clone(), b.contiguous().clone())
+    for key in list(tensors):
+        if key.endswith(".lora_B.weight") and key.replace(".lora_B.", ".lora_A.") not in tensors:
+            raise AdapterFormatError(f"{weights}: {PEFT_PREFIX}{key} has no matching lora_A")
+        if key.endswith(".lora_A.weight"):
+            name = key.removesuffix(".lora_A.weight")
+            if f"{name}.lora_B.weight" not in tensors:
+                raise AdapterFormatError(f"{weights}: {PEFT_PREFIX}{name} has lora_A but no lora_B")
+            dense[name] = (tensors[key], tensors[f"{name}.lora_B.weight"])
+    return PackedMoELoRA(rank=r, alpha=alpha, num_experts=len(experts) and next(iter(experts.values()))[0].shape[0],
+                         experts=experts, dense=dense)
