@@ -1,0 +1,358 @@
+"""Streaming safetensors reader and writer with strict header validation.
+
+File layout: an 8-byte little-endian header length N, N bytes of JSON header, then the data buffer. Every
+tensor entry is ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the data buffer; entries
+must tile the buffer exactly (no gap, no overlap, nothing after the last one). The reader checks all of that
+up front and names the file and tensor when something is off; it reads a tensor, or a range of its rows,
+with positioned reads, never the whole file. The writer writes tensor by tensor, row chunk by row chunk, to
+a hidden temp file in the target directory, renamed into place only once every byte has been written. Its
+headers match the `safetensors` library byte for byte (`library_order` gives that library's tensor order).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping, Sequence
+
+import torch
+
+__all__ = [
+    "SafetensorsError", "TensorInfo", "TensorSpec", "SafetensorsReader", "SafetensorsWriter", "DTYPES",
+    "dtype_name", "library_order", "save_file", "load_file", "fsync_dir",
+]
+
+if sys.byteorder != "little":  # the format is little-endian and tensors are read by reinterpreting bytes
+    raise ImportError("dsv4flash_bridge.safetensors_io needs a little-endian machine")
+
+# In the `safetensors` library's Dtype order, which decides its on-disk tensor order (larger rank first).
+DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I16": torch.int16, "U16": torch.uint16,
+    "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32, "U32": torch.uint32, "F32": torch.float32,
+    "F64": torch.float64, "I64": torch.int64, "U64": torch.uint64,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_RANK = {k: i for i, k in enumerate(DTYPES)}
+MAX_HEADER_BYTES = 100_000_000  # the `safetensors` library's own limit
+
+
+class SafetensorsError(ValueError):
+    """A malformed, truncated or inconsistent safetensors file, or a misuse of the writer; names the file."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors dtype string of a torch dtype."""
+    if dtype not in _NAMES:
+        raise SafetensorsError(f"torch dtype {dtype} has no safetensors equivalent")
+    return _NAMES[dtype]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to be written: name, safetensors dtype string and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the data in bytes."""
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (index along dim 0); the whole tensor for 0-d."""
+        return math.prod(self.shape[1:]) * DTYPES[self.dtype].itemsize
+
+
+@dataclass(frozen=True)
+class TensorInfo(TensorSpec):
+    """A tensor as found in a file: its spec plus absolute byte offsets [start, stop) in that file."""
+
+    start: int = 0
+    stop: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of the data."""
+        return DTYPES[self.dtype]
+
+
+def library_order(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """Tensors in the order `safetensors.torch.save_file` lays them out: dtype rank descending, then name."""
+    return sorted(specs, key=lambda s: (-_RANK[s.dtype], s.name))
+
+
+def _check_spec(where: str, name: str, dtype, shape) -> tuple[int, ...]:
+    """Validate a dtype string and shape list of one header entry or spec; returns the shape tuple."""
+    if dtype not in DTYPES:
+        raise SafetensorsError(f"{where}: tensor {name!r} has unknown or unsupported dtype {dtype!r} "
+                               f"(known: {', '.join(DTYPES)})")
+    if not isinstance(shape, (list, tuple)) or not all(type(d) is int and d >= 0
+                                                      for d in shape):
+        raise SafetensorsError(f"{where}: tensor {name!r} has invalid shape {shape!r}")
+    return tuple(shape)
+
+
+def _parse_header(path: Path, blob: bytes, data_start: int, file_size: int):
+    """Validate a header blob; return ({name: TensorInfo} in offset order, metadata dict)."""
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        if len(keys) != len(set(keys)):
+            raise SafetensorsError(f"{path}: duplicate key {next(k for k in keys if keys.count(k) > 1)!r} in header")
+        return dict(pairs)
+
+    try:
+        header = json.loads(blob.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SafetensorsError(f"{path}: header is not valid UTF-8 JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{path}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise SafetensorsError(f"{path}: __metadata__ must map strings to strings")
+    entries = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise SafetensorsError(f"{path}: tensor {name!r} entry must have exactly dtype, shape, data_offsets")
+        shape = _check_spec(str(path), name, entry["dtype"], entry["shape"])
+        offsets = entry["data_offsets"]
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets)
+                or offsets[0] > offsets[1]):
+            raise SafetensorsError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
+        info = TensorInfo(name, entry["dtype"], shape, data_start + offsets[0], data_start + offsets[1])
+        if info.stop - info.start != info.nbytes:
+            raise SafetensorsError(f"{path}: tensor {name!r} shape {list(shape)} {info.dtype} needs {info.nbytes} "
+                                   f"bytes but data_offsets {offsets} span {info.stop - info.start}")
+        entries.append(info)
+    entries.sort(key=lambda i: (i.start, i.stop))
+    cursor = data_start
+    for info in entries:
+        if info.start != cursor:
+            what = "overlaps the previous tensor" if info.start < cursor else f"leaves a gap of {info.start - cursor} bytes"
+            raise SafetensorsError(f"{path}: tensor {info.name!r} at data offset {info.start - data_start} {what}")
+        cursor = info.stop
+    if cursor > file_size:
+        last = entries[-1].name
+        raise SafetensorsError(f"{path}: truncated: tensor {last!r} ends at byte {cursor} of a {file_size}-byte file")
+    if cursor < file_size:
+        raise SafetensorsError(f"{path}: {file_size - cursor} bytes after the last tensor (header and data disagree)")
+    return {i.name: i for i in entries}, metadata
+
+
+class SafetensorsReader:
+    """Random access to one safetensors file: header parsed and validated on open, data read on demand."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            self._file = open(self.path, "rb", buffering=0)
+        except FileNotFoundError:
+            raise SafetensorsError(f"{self.path}: no such file") from None
+        try:
+            size = os.fstat(self._file.fileno()).st_size
+            if size < 8:
+                raise SafetensorsError(f"{self.path}: truncated: {size} bytes, shorter than the 8-byte header length")
+            n = int.from_bytes(os.pread(self._file.fileno(), 8, 0), "little")
+            if n > MAX_HEADER_BYTES:
+                raise SafetensorsError(f"{self.path}: header length {n} exceeds {MAX_HEADER_BYTES} bytes")
+            if 8 + n > size:
+                raise SafetensorsError(f"{self.path}: truncated: header length {n} runs past the end of a {size}-byte file")
+            self.data_start = 8 + n
+            self.tensors, self.metadata = _parse_header(self.path, os.pread(self._file.fileno(), n, 8), 8 + n, size)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the file."""
+        self._file.close()
+
+    def names(self) -> list[str]:
+        """Tensor names in data order."""
+        return list(self.tensors)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        """Header entry of one tensor."""
+        if name not in self.tensors:
+            raise SafetensorsError(f"{self.path}: no tensor named {name!r}")
+        return self.tensors[name]
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor, in fresh memory."""
+        info = self.info(name)
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        self._read_into(buf, info.start, info)
+        return buf.view(info.torch_dtype).reshape(info.shape)
+
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows [start, stop) of a tensor (along dim 0), into `out` if given (contiguous, right dtype/shape)."""
+        info = self.info(name)
+        if not info.shape:
+            raise SafetensorsError(f"{self.path}: tensor {name!r} is 0-d and has no rows")
+        if not 0 <= start <= stop <= info.shape[0]:
+            raise SafetensorsError(f"{self.path}: rows [{start}, {stop}) out of range for {name!r} with {info.shape[0]} rows")
+        shape = (stop - start, *info.shape[1:])
+        if out is None:
+            out = torch.empty(shape, dtype=info.torch_dtype)
+        elif out.dtype != info.torch_dtype or tuple(out.shape) != shape or not out.is_contiguous():
+            raise SafetensorsError(f"{self.path}: out for {name!r} must be contiguous {info.torch_dtype} {shape}, "
+                                   f"got {out.dtype} {tuple(out.shape)}")
+        self._read_into(out.view(-1).view(torch.uint8), info.start + start * info.row_bytes, info)
+        return out
+
+    def iter_rows(self, name: str, rows_per_chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, rows) chunks of a tensor; each chunk is fresh memory of at most `rows_per_chunk` rows."""
+        total = self.info(name).shape[0]
+        for start in range(0, total, max(1, rows_per_chunk)):
+            yield start, self.read_rows(name, start, min(start + rows_per_chunk, total))
+
+    def _read_into(self, buf: torch.Tensor, offset: int, info: TensorInfo) -> None:
+        """Fill a uint8 buffer from the file at `offset`; a short read means the file shrank since open."""
+        view, done = memoryview(buf.numpy()).cast("B"), 0
+        while done < len(view):
+            got = os.preadv(self._file.fileno(), [view[done:]], offset + done)
+            if got == 0:
+                raise SafetensorsError(f"{self.path}: truncated while reading tensor {info.name!r} "
+                                       f"(file changed after it was opened?)")
+            done += got
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file from a fixed list of specs, tensor by tensor and row chunk by row chunk.
+
+    Use as a context manager: on a clean exit the temp file is fsynced and renamed to `path`; on an
+    exception, or if a tensor is incomplete, the temp file is removed and `path` is left untouched.
+    """
+
+    def __init__(self, path: str | os.PathLike, specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None):
+        self.path = Path(path)
+        self.specs = list(specs)
+        header: dict = {}
+        if metadata is not None:
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+                raise SafetensorsError(f"{self.path}: metadata must map strings to strings")
+            header["__metadata__"] = dict(metadata)
+        offset = 0
+        for spec in self.specs:
+            shape = _check_spec(str(self.path), spec.name, spec.dtype, list(spec.shape))
+            if spec.name in header:
+                raise SafetensorsError(f"{self.path}: tensor name {spec.name!r} is reserved or given twice")
+            header[spec.name] = {"dtype": spec.dtype, "shape": list(shape), "data_offsets": [offset, offset + spec.nbytes]}
+            offset += spec.nbytes
+        blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        blob += b" " * (-len(blob) % 8)
+        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self._tmp, "wb")
+        self._file.write(len(blob).to_bytes(8, "little") + blob)
+        self._index, self._rows = 0, 0
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write a whole tensor (the next one in spec order)."""
+        spec = self._current(name)
+        if tuple(tensor.shape) != tuple(spec.shape):
+            raise SafetensorsError(f"{self.path}: tensor {name!r} has shape {tuple(tensor.shape)}, spec says {spec.shape}")
+        if not spec.shape:
+            tensor = tensor.reshape(1)
+        self.write_rows(name, tensor)
+
+    def write_rows(self, name: str, rows: torch.Tensor) -> None:
+        """Append rows (along dim 0) of the current tensor; rows must continue where the last chunk stopped."""
+        spec = self._current(name)
+        if DTYPES[spec.dtype] != rows.dtype:
+            raise SafetensorsError(f"{self.path}: tensor {name!r} is {spec.dtype}, got a {rows.dtype} chunk")
+        total = spec.shape[0] if spec.shape else 1
+        inner = tuple(spec.shape[1:])
+        if tuple(rows.shape[1:]) != inner or self._rows + rows.shape[0] > total:
+            raise SafetensorsError(f"{self.path}: chunk {tuple(rows.shape)} does not fit tensor {name!r} {spec.shape} "
+                                   f"after {self._rows} rows")
+        data = rows.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(data.numpy()))
+        self._rows += rows.shape[0]
+        if self._rows == total:
+            self._index, self._rows = self._index + 1, 0
+
+    def close(self) -> None:
+        """Finish: every tensor must be complete; fsync, rename into place, fsync the directory."""
+        if self._file.closed:
+            return
+        if self._index < len(self.specs):
+            spec = self.specs[self._index]
+            self.abort()
+            raise SafetensorsError(f"{self.path}: incomplete, tensor {spec.name!r} has {self._rows} of "
+                                   f"{spec.shape[0] if spec.shape else 1} rows written; nothing was saved")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+        fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        """Drop the partial file; `path` is untouched."""
+        if not self._file.closed:
+            self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def _current(self, name: str) -> TensorSpec:
+        """The spec that must be written next; it must be `name`."""
+        if self._index >= len(self.specs) or self.specs[self._index].name != name:
+            expected = self.specs[self._index].name if self._index < len(self.specs) else "nothing (all written)"
+            raise SafetensorsError(f"{self.path}: got tensor {name!r}, expected {expected!r} next")
+        return self.specs[self._index]
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename durable (best effort where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike,
+              metadata: Mapping[str, str] | None = None, *, order: str = "library") -> None:
+    """Write a dict of tensors; `order="library"` reproduces `safetensors.torch.save_file` byte for byte,
+    `order="given"` keeps the mapping's order."""
+    specs = [TensorSpec(k, dtype_name(v.dtype), tuple(v.shape)) for k, v in tensors.items()]
+    if order == "library":
+        specs = library_order(specs)
+    elif order != "given":
+        raise ValueError(f"order must be 'library' or 'given', got {order!r}")
+    with SafetensorsWriter(path, specs, metadata) as writer:
+        for spec in specs:
+            writer.write(spec.name, tensors[spec.name])
+
+
+def load_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read every tensor of a file (small files and tests; use SafetensorsReader to stream)."""
+    with SafetensorsReader(path) as reader:
+        return {name: reader.read(name) for name in reader.names()}
