@@ -1,0 +1,192 @@
+"""Adapter state: canonical state dicts, PEFT directories (bit-exact, atomic), zeroing, optimizer groups."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from dsv4flash.lora import (LoraConfig, apply_lora, forward_with_early_stop, load_lora_state_dict, load_peft_adapter,
+                            lora_parameters, lora_state_dict, module_group, param_groups, save_peft_adapter, zero_lora)
+from dsv4flash.lora import peft_io
+
+from .conftest import randomize_adapters
+
+
+def _trained(make_model, cfg="full_linear"):
+    model = make_model()
+    handle = apply_lora(model, cfg)
+    randomize_adapters(model)
+    return model, handle
+
+
+def _bit_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_state_dict_round_trip(make_model, ids):
+    model, _ = _trained(make_model)
+    other = make_model()
+    apply_lora(other, "full_linear")
+    loaded = load_lora_state_dict(other, {k: v.clone() for k, v in lora_state_dict(model).items()})
+    assert len(loaded) == len(lora_state_dict(model))
+    assert _bit_equal(lora_state_dict(other), lora_state_dict(model))
+    with torch.no_grad():
+        assert torch.equal(other(ids), model(ids))
+
+
+@pytest.mark.parametrize("cfg", [LoraConfig(preset="full_linear"), LoraConfig(preset="vit_lr_0p1", wo_a_lora="shared_a"),
+                                 LoraConfig(preset="decoder_half", lora_dtype="bfloat16")])
+def test_peft_round_trip_is_bit_exact(make_model, tmp_path, vl_batch, cfg):
+    ids, types, images = vl_batch
+    model, handle = _trained(make_model, cfg)
+    path = save_peft_adapter(model, handle, tmp_path / "adapter")
+    assert sorted(os.listdir(path)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert os.listdir(tmp_path) == ["adapter"]  # no temp directory left behind
+    fresh = make_model()
+    fresh_handle = load_peft_adapter(fresh, path)  # rebuilds the placement from the directory
+    assert fresh_handle.modules == handle.modules and fresh_handle.config == handle.config
+    assert _bit_equal(lora_state_dict(fresh), lora_state_dict(model))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids, types, images), model(ids, types, images))
+    # Loading again into a model that already carries the placement only copies the tensors.
+    assert load_peft_adapter(fresh, path) is fresh_handle
+
+
+def test_peft_files_describe_the_layout(make_model, tmp_path, tiny_cfg):
+    model, handle = _trained(make_model)
+    path = save_peft_adapter(model, handle, tmp_path / "a", base_model_name_or_path="tiny")
+    config = json.loads((path / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == ("LORA", 16, 32.0, "tiny")
+    ours = config["dsv4flash"]
+    n = tiny_cfg.text.num_hidden_layers
+    assert ours["grouped_modules"] == sorted(f"layers.{i}.attn.wo_a" for i in range(n))
+    assert ours["packed_experts"] == sorted(f"layers.{i}.ffn.experts.{w}" for i in range(n) for w in ("w1", "w2", "w3"))
+    assert not any("wo_a" in m or ".experts." in m for m in config["target_modules"])
+    assert ours["trainable_params"] == handle.trainable_params
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    assert all(k.startswith("base_model.model.") for k in tensors)
+    assert len(tensors) == 2 * len(handle.adapters)  # packed: 3 projections × 2 per layer, not E × 3 × 2
+    assert tensors["base_model.model.layers.2.ffn.experts.w3.lora_A.weight"].shape == (8, 16, 64)
+
+
+def test_save_is_atomic_and_refuses_to_clobber(make_model, tmp_path, monkeypatch):
+    model, handle = _trained(make_model)
+    target = tmp_path / "adapter"
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(peft_io, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_peft_adapter(model, handle, target)
+    assert os.listdir(tmp_path) == []  # nothing half-written, no temp left
+    monkeypatch.undo()
+    save_peft_adapter(model, handle, target)
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        save_peft_adapter(model, handle, target)
+    zero_lora(model)
+    save_peft_adapter(model, handle, target, overwrite=True)
+    assert os.listdir(tmp_path) == ["adapter"]
+    assert all(torch.count_nonzero(v) == 0 for k, v in load_file(str(target / "adapter_model.safetensors")).items()
+               if k.endswith("lora_B.weight"))
+
+
+def test_load_errors_name_the_file_and_tensor(make_model, tmp_path):
+    model, handle = _trained(make_model)
+    path = save_peft_adapter(model, handle, tmp_path / "a")
+    weights = path / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    key = "base_model.model.layers.3.attn.wq_a.lora_B.weight"
+
+    save_file({k: v for k, v in tensors.items() if k != key}, str(weights))
+    with pytest.raises(KeyError, match=r"adapter_model.safetensors.*missing \['layers.3.attn.wq_a.lora_B.weight'\]"):
+        load_peft_adapter(make_model(), path)
+    save_file({**tensors, key: torch.zeros(3, 3)}, str(weights))
+    with pytest.raises(ValueError, match=r"'layers.3.attn.wq_a.lora_B.weight' has shape \[3, 3\]"):
+        load_peft_adapter(make_model(), path)
+
+    config = json.loads((path / "adapter_config.json").read_text())
+    config["dsv4flash"]["base"]["hidden_size"] = 128
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="hidden_size=128"):
+        load_peft_adapter(make_model(), path)
+    other = make_model()
+    apply_lora(other, "full_linear_r8")
+    with pytest.raises(ValueError, match="r=16.*rank 8"):
+        load_peft_adapter(other, path)
+    with pytest.raises(FileNotFoundError, match="not a PEFT adapter directory"):
+        load_peft_adapter(make_model(), tmp_path / "nowhere")
+    with pytest.raises(RuntimeError, match="no LoRA adapters"):
+        lora_state_dict(make_model())
+
+
+def test_zero_lora_by_group(make_model, ids):
+    model, _ = _trained(make_model)
+    zeroed = zero_lora(model, "attention")
+    assert zeroed and all(module_group(m) in ("attn_q", "attn_kv", "attn_out") for m in zeroed)
+    for key, p in lora_parameters(model).items():
+        is_b = key.endswith("lora_B.weight")
+        assert (torch.count_nonzero(p) == 0) == (is_b and module_group(key) in ("attn_q", "attn_kv", "attn_out"))
+    assert set(zero_lora(model, ["routed_down"])) == {f"layers.{i}.ffn.experts.w2" for i in range(12)}
+    zero_lora(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids), make_model()(ids))
+    with pytest.raises(ValueError, match="unknown module group 'attn'"):
+        zero_lora(model, "attn")
+
+
+@pytest.mark.parametrize("name, group", [
+    ("layers.3.attn.wq_a", "attn_q"), ("layers.3.attn.wq_b.lora_A.weight", "attn_q"), ("layers.3.attn.wkv", "attn_kv"),
+    ("layers.3.attn.wo_a.lora_B.weight", "attn_out"), ("layers.3.attn.wo_b", "attn_out"),
+    ("layers.2.attn.compressor.wgate", "compressor"), ("layers.2.attn.indexer.wq_b.weight", "indexer"),
+    ("layers.3.ffn.shared_experts.w2", "shared_expert"), ("layers.3.ffn.experts.7.w1", "routed_gate_up"),
+    ("layers.3.ffn.experts.w3.lora_A.weight", "routed_gate_up"), ("layers.3.ffn.experts_lora.w2.lora_B", "routed_down"),
+    ("base_model.model.layers.3.ffn.experts.w2.lora_B.weight", "routed_down"), ("layers.3.ffn.gate.bias_vl", "router"),
+    ("layers.1.engram.wkv", "engram"), ("layers.1.hc_attn_fn", "mhc"), ("layers.1.attn_norm.weight", "norm"),
+    ("vision.blocks.0.mlp.w1", "vit"), ("aligner.w2", "aligner"), ("mtp.0.attn.wq_a", "mtp"), ("head", "head"),
+    ("embed.weight", "embed"), ("image_start", "image_delimiters"), ("layers.3.attn.attn_sink", "attn_sink"),
+])
+def test_module_groups(name, group):
+    assert module_group(name) == group
+
+
+def test_param_groups_apply_the_vit_multiplier(make_model):
+    model, handle = _trained(make_model, "vit_lr_0p1")
+    groups = param_groups(model, handle, 5e-5, weight_decay=0.0)
+    assert [(g["name"], g["lr"], g["weight_decay"]) for g in groups] == [("lora", 5e-5, 0.0), ("lora_vit", 5e-6, 0.0)]
+    ids_in = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids_in) == sorted(id(p) for p in model.parameters() if p.requires_grad)
+    assert all(module_group(n) in ("vit", "aligner") for n, p in model.named_parameters()
+               if p.requires_grad and id(p) in {id(q) for q in groups[1]["params"]})
+    decoder, dh = _trained(make_model, "decoder_half")
+    assert [g["name"] for g in param_groups(decoder, dh, 1e-4)] == ["lora"]
+
+
+def _step(model, opt, ids):
+    opt.zero_grad()
+    logits = forward_with_early_stop(model, ids)
+    F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
+    opt.step()
+
+
+def test_resume_from_a_saved_adapter_is_bit_identical(make_model, ids, tmp_path):
+    """Save adapter + optimizer state mid-run, rebuild from disk, continue: identical to never stopping."""
+    model = make_model()
+    handle = apply_lora(model, "decoder_half")
+    opt = torch.optim.AdamW(param_groups(model, handle, 1e-3))
+    _step(model, opt, ids)
+    save_peft_adapter(model, handle, tmp_path / "ckpt")
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    _step(model, opt, ids)
+
+    resumed = make_model()
+    rh = load_peft_adapter(resumed, tmp_path / "ckpt")
+    ropt = torch.optim.AdamW(param_groups(resumed, rh, 1e-3))
+    ropt.load_state_dict(torch.load(tmp_path / "opt.pt"))
+    _step(resumed, ropt, ids)
+    assert _bit_equal(lora_state_dict(resumed), lora_state_dict(model))
