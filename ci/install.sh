@@ -46,6 +46,9 @@ if [ "$mode" = "main" ]; then
 fi
 pipi -e ".[dev]"
 
+echo "[install] PostgreSQL server + psycopg (lifecycle catalog tests start their own throwaway server)"
+bash ci/install_postgres.sh
+
 echo "[install] megatron-core 0.19.2 + megatron-bridge 0.6.2 (--no-deps: their full deps are CUDA builds)"
 pipi triton einops "transformers==5.10.4" peft accelerate typing_extensions
 pipi --no-deps --ignore-requires-python "megatron-core==0.19.2" "megatron-bridge==0.6.2"
