@@ -1,0 +1,99 @@
+"""One V4.1 block as a megatron-core `TransformerLayer` (architecture.md §2.2): [Engram] → mHC(attn) → mHC(MoE).
+
+The stock slots keep their stock meaning — `input_layernorm` (attn_norm), `self_attention` (CSA2),
+`pre_mlp_layernorm` (ffn_norm), `mlp` (MoE) — and two slots are added: `hyper_connection` (the mHC
+coefficients) and `engram` (only on Engram layers). The calling convention is the stock one:
+`layer(hidden_states=[s,b,hc·D], context=CSA2Context, ...) -> (hidden_states, context)`, where the
+context carries the lagged mHC `pre`, the shared CSA2 state and the micro-batch constants (see `carry.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from dsv4flash.integrations.mcore.csa2.carry import CSA2Context
+from dsv4flash.integrations.mcore.csa2.hyper_connection import pack_streams, unpack_streams
+from dsv4flash.model.engram import Engram
+from dsv4flash.model.hyper_connection import collapse, expand
+
+__all__ = ["CSA2LayerSubmodules", "CSA2TransformerLayer", "CSA2Engram"]
+
+
+@dataclass
+class CSA2LayerSubmodules(TransformerLayerSubmodules):
+    """`TransformerLayerSubmodules` plus the mHC coefficients and the optional Engram lookup."""
+
+    hyper_connection: Union[ModuleSpec, type] = IdentityOp
+    engram: Union[ModuleSpec, type, None] = None
+
+
+class CSA2Engram(Engram):
+    """The reference Engram layer (table + `wkv` + gate) with a Megatron constructor; per token, layout-free."""
+
+    def __init__(self, config: Any, engram_index: int, **_unused: Any) -> None:
+        super().__init__(config.dsv4, engram_index, dtype=config.params_dtype)
+        for param in self.parameters():
+            setattr(param, "sequence_parallel", False)
+
+
+class CSA2TransformerLayer(TransformerLayer):
+    """V4.1 block `layers.{layer_number-1}` on packed mHC streams; see the module docstring."""
+
+    def __init__(self, config: Any, submodules: CSA2LayerSubmodules, layer_number: int = 1, **kwargs: Any) -> None:
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
+        self.plan = config.dsv4.backbone_plan[self.layer_number - 1]
+        self.hc = config.dsv4.text.hc_mult
+        self.hyper_connection = build_module(submodules.hyper_connection, config=config)
+        if self.plan.has_engram:
+            if submodules.engram is None:
+                raise ValueError(f"layer {self.plan.layer_id} has an Engram lookup but its spec has no `engram` "
+                                 "submodule")
+            self.engram = build_module(submodules.engram, config=config, engram_index=self.plan.engram_index)
+        else:
+            self.engram = None
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                context: Optional[CSA2Context] = None, context_mask: Optional[torch.Tensor] = None,
+                rotary_pos_emb: Any = None, rotary_pos_cos: Any = None, rotary_pos_sin: Any = None,
+                rotary_pos_cos_sin: Any = None, attention_bias: Any = None, inference_context: Any = None,
+                packed_seq_params: Any = None, sequence_len_offset: Any = None, padding_mask: Any = None,
+                **_unused: Any):
+        """hidden_states [s,b,hc·D], context CSA2Context -> (hidden_states [s,b,hc·D], next CSA2Context).
+
+        CSA2 attention is causal by construction (window + visible groups) and derives its masks, positions
+        and RoPE from `context.tokens.layout`; `attention_mask` / `rotary_pos_emb` are not read.
+        """
+        if not isinstance(context, CSA2Context):
+            raise TypeError(f"CSA2TransformerLayer (layer {self.plan.layer_id}) needs the CSA2 carry as `context` "
+                            f"(got {type(context).__name__}); run it inside CSA2TransformerBlock")
+        if inference_context is not None:
+            raise NotImplementedError("CSA2TransformerLayer has no inference (KV-cache) path; serve with vLLM")
+        tokens = context.tokens
+        x = unpack_streams(hidden_states, self.hc)  # [s,b,hc,D]
+        if self.engram is not None:
+            x = self.engram(x, tokens.engram_rows[self.plan.engram_index], tokens.engram_token_mask())
+        residual = x
+        attn_pre, attn_post, attn_comb = self.hyper_connection("attn", x)
+        y, state = self.self_attention(self.input_layernorm(collapse(x, context.pre_mix)), context.state,
+                                       tokens.layout)  # [s,b,D]
+        x = expand(y, residual, attn_post, attn_comb)
+        residual = x
+        ffn_pre, ffn_post, ffn_comb = self.hyper_connection("ffn", x)
+        h = self.pre_mlp_layernorm(collapse(x, attn_pre))
+        y = self._mlp(h, tokens)
+        x = expand(y, residual, ffn_post, ffn_comb)
+        return pack_streams(x), CSA2Context(pre_mix=ffn_pre, state=state, tokens=tokens)
+
+    def _mlp(self, h: torch.Tensor, tokens) -> torch.Tensor:
+        kwargs = {"padding_mask": tokens.padding_mask}
+        if tokens.image_mask is not None:
+            kwargs["image_mask"] = tokens.image_mask
+        out = self.mlp(h, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        return out

@@ -1,0 +1,87 @@
+"""The V4.1 language model assembled from megatron-core pieces: embedding → CSA2 block → fp32 head.
+
+`DSV41MegatronModel.forward(input_ids, position_ids, attention_mask, labels=None, *, token_types,
+packed_seq_params, padding_mask)` follows `GPTModel.forward`: logits [b, s, V] without labels, per-token
+loss [b, s] with them. Image spans (`token_types >= 0`) pick `bias_vl` in the router and take no Engram
+delta; pass their embeddings through `decoder_input` ([s, b, h], the vision tower lives elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+from dsv4flash.integrations.mcore.csa2.block import CSA2TransformerBlock
+from dsv4flash.integrations.mcore.csa2.carry import CSA2Tokens
+from dsv4flash.integrations.mcore.csa2.config import with_dtype
+from dsv4flash.model.engram import EngramHasher
+
+__all__ = ["DSV41MegatronModel"]
+
+
+class DSV41MegatronModel(LanguageModule):
+    """Embedding, Engram hashing, `CSA2TransformerBlock` and the fp32 output layer (untied, as the release)."""
+
+    def __init__(self, config: Any, block_spec: Any, *, parallel_output: bool = True,
+                 pg_collection: Any = None) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        text = config.dsv4.text
+        self.vocab_size = text.vocab_size
+        self.max_sequence_length = text.max_position_embeddings
+        self.parallel_output = parallel_output
+        self.pre_process = self.post_process = True
+        self.share_embeddings_and_output_weights = False
+        self.embedding = LanguageModelEmbedding(config, self.vocab_size, self.max_sequence_length,
+                                                position_embedding_type="none", tp_group=self.tp_group)
+        self.engram_hasher = EngramHasher(config.dsv4) if text.engram_layer_ids else None
+        self.decoder = CSA2TransformerBlock(config, block_spec, pg_collection=self.pg_collection)
+        # REF keeps the head in fp32 and computes fp32 logits.
+        head_config = with_dtype(config, torch.float32)
+        self.output_layer = ColumnParallelLinear(text.hidden_size, self.vocab_size, config=head_config,
+                                                 init_method=config.init_method, bias=False, skip_bias_add=False,
+                                                 gather_output=not parallel_output, tp_group=self.tp_group)
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        """Pipeline hook; the CSA2 stack runs on one pipeline stage, so there is never an input tensor."""
+        if input_tensor is not None and not (isinstance(input_tensor, list) and input_tensor[0] is None):
+            raise ValueError("DSV41MegatronModel runs without pipeline parallelism")
+
+    def tokens(self, input_ids: torch.Tensor, embeddings: torch.Tensor, *, token_types: Optional[torch.Tensor] = None,
+               packed_seq_params: Any = None, padding_mask: Optional[torch.Tensor] = None) -> CSA2Tokens:
+        """Per-micro-batch constants: token layout, image mask and every Engram layer's row ids."""
+        image_mask = token_types >= 0 if token_types is not None else None
+        tokens = self.decoder.build_tokens(embeddings, packed_seq_params=packed_seq_params,
+                                           padding_mask=padding_mask, image_mask=image_mask)
+        if self.engram_hasher is None:
+            return tokens
+        layout = tokens.layout
+        types = token_types if token_types is not None else torch.full_like(input_ids, -1)
+        if layout.halo is not None:  # context parallel: n-grams reach back into the previous rank's tokens
+            ids, types, positions = layout.extend_ids(input_ids), layout.extend_ids(types), layout.ext_pos
+        else:
+            ids, positions = input_ids, (layout.pos if packed_seq_params is not None else None)
+        rows = self.engram_hasher(ids, types, position_ids=positions)  # per layer [b, E, cols]
+        if layout.halo is not None:
+            rows = [r[:, layout.local_slots] for r in rows]
+        return dataclasses.replace(tokens, engram_rows=tuple(r.transpose(0, 1).contiguous() for r in rows))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, decoder_input: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, *, token_types: Optional[torch.Tensor] = None,
+                packed_seq_params: Any = None, padding_mask: Optional[torch.Tensor] = None,
+                **_unused: Any) -> torch.Tensor:
+        """input_ids [b, s] -> logits [b, s, V] (fp32), or the per-token LM loss [b, s] when labels are given."""
+        embeddings = decoder_input if decoder_input is not None else self.embedding(input_ids, position_ids)
+        tokens = self.tokens(input_ids, embeddings, token_types=token_types, packed_seq_params=packed_seq_params,
+                             padding_mask=padding_mask)
+        hidden = self.decoder(embeddings, attention_mask, packed_seq_params=packed_seq_params,
+                              padding_mask=padding_mask, csa2_tokens=tokens)  # [s, b, h]
+        logits, _ = self.output_layer(hidden.float())  # [s, b, V]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)

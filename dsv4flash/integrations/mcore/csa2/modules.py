@@ -1,0 +1,88 @@
+"""Small Megatron building blocks of the CSA2 layers: the fp32 RMSNorm, linear builders, the grouped `wo_a`.
+
+Linears are megatron-core's own parallel linears (so Megatron-Bridge LoRA can wrap them). Three placements:
+
+- `column`: output split over tensor-parallel ranks (query heads);
+- `row`: input split, output all-reduced (the output projection `wo_b`);
+- `replicated`: every rank holds and computes the full projection (latents, compressor, indexer). Locally
+  that is a `ColumnParallelLinear` with `gather_output=True`; with Transformer Engine a `TELinear` in
+  `duplicated` mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.tensor_parallel.utils import divide
+from megatron.core.transformer.module import MegatronModule
+
+from dsv4flash.integrations.mcore.csa2.config import with_dtype
+from dsv4flash.model.norm import RMSNorm
+
+__all__ = ["CSA2RMSNorm", "GroupedOutputProjection", "build_linear", "linear_forward"]
+
+
+class CSA2RMSNorm(RMSNorm):
+    """The release RMSNorm (fp32 compute, weight after normalisation) with megatron-core's norm signature."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float | None = None, **_unused: Any) -> None:
+        super().__init__(hidden_size, config.layernorm_epsilon if eps is None else eps, dtype=config.params_dtype)
+        setattr(self.weight, "sequence_parallel", False)
+
+
+def _is_te_linear(cls: Any) -> bool:
+    return getattr(cls, "__name__", "") == "TELinear"
+
+
+def build_linear(cls: Any, in_features: int, out_features: int, config: Any, placement: str, *,
+                 name: str, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Instantiate a Megatron linear (no bias) for `placement` in {'column', 'row', 'replicated'}."""
+    cfg = with_dtype(config, dtype) if dtype is not None else config
+    common = dict(config=cfg, init_method=cfg.init_method, bias=False, skip_bias_add=False,
+                  tp_comm_buffer_name=name)
+    if placement == "row":
+        common["init_method"] = cfg.output_layer_init_method
+        return cls(in_features, out_features, input_is_parallel=True, is_expert=False, **common)
+    if placement == "replicated" and _is_te_linear(cls):
+        return cls(in_features, out_features, parallel_mode="duplicated", skip_weight_param_allocation=False,
+                   tp_group=None, **common)
+    if placement not in ("column", "replicated"):
+        raise ValueError(f"unknown linear placement {placement!r}")
+    if placement == "replicated" and not issubclass(cls, ColumnParallelLinear):
+        raise ValueError(f"{cls.__name__} cannot hold a replicated projection ({name}); use ColumnParallelLinear "
+                         "or TELinear")
+    return cls(in_features, out_features, is_expert=False, gather_output=placement == "replicated", **common)
+
+
+def linear_forward(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Run a Megatron linear (which returns `(output, bias)`) and return the output."""
+    out = linear(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+class GroupedOutputProjection(MegatronModule):
+    """`wo_a` (release name) as `linear_o_group_proj`: z_g = W_g · o_g per output group (§3).
+
+    weight [local_groups·rank, in_per_group], rows group-major; tensor parallelism gives each rank whole
+    groups (partition dim 0), matching the head split of the query projection.
+    """
+
+    def __init__(self, config: Any, groups: int, in_per_group: int, rank: int) -> None:
+        super().__init__(config)
+        tp = config.tensor_model_parallel_size
+        self.local_groups = divide(groups, tp)
+        self.rank, self.in_per_group = rank, in_per_group
+        self.weight = torch.nn.Parameter(torch.empty(self.local_groups * rank, in_per_group,
+                                                     dtype=config.params_dtype))
+        setattr(self.weight, "tensor_model_parallel", True)
+        setattr(self.weight, "partition_dim", 0)
+        setattr(self.weight, "partition_stride", 1)
+        if config.perform_initialization:
+            config.init_method(self.weight)
+
+    def forward(self, o: torch.Tensor) -> torch.Tensor:
+        """o: [B, S, local_groups, in_per_group] -> [B, S, local_groups·rank]."""
+        w = self.weight.view(self.local_groups, self.rank, self.in_per_group)
+        return torch.einsum("bsgd,grd->bsgr", o, w.to(o.dtype)).flatten(-2)

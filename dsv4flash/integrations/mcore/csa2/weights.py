@@ -1,0 +1,143 @@
+"""Reference (release) parameter names ↔ the Megatron model's names, and loading by name.
+
+The reference model (`dsv4flash.model`) uses the release names (`layers.3.attn.wq_a.weight`); the Megatron
+model uses megatron-core's module names (`decoder.layers.3.self_attention.linear_q_down.weight`). One
+table, `name_map(cfg)`, lists every pair with how the tensor is laid out on a tensor-/expert-parallel rank:
+
+- `copy`: replicated (norms, mHC, router, Engram);
+- `rows` / `cols`: split along dim 0 / dim 1 over tensor-parallel ranks (column- / row-parallel linears);
+- `glu`: `linear_fc1` = [w1 (gate) ; w3 (up)], each half split along dim 0;
+- experts are placed on expert-parallel ranks by megatron-core's contiguous expert split.
+
+`load_reference_state(model, state)` fills a Megatron model from a reference state dict and checks that
+every Megatron parameter and persistent buffer was written exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch
+
+from dsv4flash.config import DSV41FlashConfig
+
+__all__ = ["NamePair", "name_map", "load_reference_state"]
+
+
+@dataclass(frozen=True)
+class NamePair:
+    """One Megatron tensor and the reference tensor(s) it is made of."""
+
+    megatron: str
+    reference: tuple[str, ...]
+    layout: str  # copy | rows | cols | glu
+    expert: int | None = None  # global expert id (routed experts only)
+
+
+def _layer_pairs(cfg: DSV41FlashConfig, i: int) -> Iterator[NamePair]:
+    plan = cfg.backbone_plan[i]
+    ref, meg = f"layers.{i}.", f"decoder.layers.{i}."
+    att = meg + "self_attention."
+    yield NamePair(meg + "input_layernorm.weight", (ref + "attn_norm.weight",), "copy")
+    yield NamePair(meg + "pre_mlp_layernorm.weight", (ref + "ffn_norm.weight",), "copy")
+    for mine, theirs, layout in (
+        ("linear_q_down", "wq_a", "rows"), ("linear_q_up", "wq_b", "rows"), ("linear_kv", "wkv", "rows"),
+        ("linear_o_group_proj", "wo_a", "rows"), ("linear_proj", "wo_b", "cols"),
+    ):
+        yield NamePair(f"{att}{mine}.weight", (f"{ref}attn.{theirs}.weight",), layout)
+    yield NamePair(att + "q_layernorm.weight", (ref + "attn.q_norm.weight",), "copy")
+    yield NamePair(att + "kv_layernorm.weight", (ref + "attn.kv_norm.weight",), "copy")
+    yield NamePair(att + "attn_sink", (ref + "attn.attn_sink",), "rows")
+    if plan.has_compressor:
+        yield NamePair(att + "compressor.linear_kv.weight", (ref + "attn.compressor.wkv.weight",), "rows")
+        if plan.has_wgate:
+            yield NamePair(att + "compressor.linear_gate.weight", (ref + "attn.compressor.wgate.weight",), "rows")
+        yield NamePair(att + "compressor.norm.weight", (ref + "attn.compressor.norm.weight",), "copy")
+    if plan.has_indexer:
+        yield NamePair(att + "indexer.linear_q_up.weight", (ref + "attn.indexer.wq_b.weight",), "rows")
+        yield NamePair(att + "indexer.linear_weights_proj.weight", (ref + "attn.indexer.weights_proj.weight",), "rows")
+        if plan.has_compressor:
+            yield NamePair(att + "indexer.linear_k.weight", (ref + "attn.indexer.wk.weight",), "rows")
+            yield NamePair(att + "indexer.k_layernorm.weight", (ref + "attn.indexer.k_norm.weight",), "copy")
+    for site in ("attn", "ffn"):
+        for part in ("fn", "base", "scale"):
+            yield NamePair(f"{meg}hyper_connection.{site}_{part}", (f"{ref}hc_{site}_{part}",), "copy")
+    mlp = meg + "mlp."
+    yield NamePair(mlp + "router.weight", (ref + "ffn.gate.weight",), "copy")
+    yield NamePair(mlp + "router.expert_bias", (ref + "ffn.gate.bias",), "copy")
+    if cfg.vision.enabled:
+        yield NamePair(mlp + "router.image_balance.expert_bias", (ref + "ffn.gate.bias_vl",), "copy")
+    for e in range(cfg.text.n_routed_experts):
+        src = f"{ref}ffn.experts.{e}."
+        yield NamePair(f"{mlp}experts.local_experts.{e}.linear_fc1.weight", (src + "w1.weight", src + "w3.weight"),
+                       "glu", expert=e)
+        yield NamePair(f"{mlp}experts.local_experts.{e}.linear_fc2.weight", (src + "w2.weight",), "cols", expert=e)
+    src = ref + "ffn.shared_experts."
+    yield NamePair(mlp + "shared_experts.linear_fc1.weight", (src + "w1.weight", src + "w3.weight"), "glu")
+    yield NamePair(mlp + "shared_experts.linear_fc2.weight", (src + "w2.weight",), "cols")
+    if plan.has_engram:
+        for name in ("embed.weight", "wkv.weight", "q_weight", "k_weight"):
+            yield NamePair(f"{meg}engram.{name}", (f"{ref}engram.{name}",), "copy")
+
+
+def name_map(cfg: DSV41FlashConfig) -> list[NamePair]:
+    """Every Megatron tensor of the text model with its reference source(s), in model order."""
+    pairs = [NamePair("embedding.word_embeddings.weight", ("embed.weight",), "rows")]
+    for i in range(cfg.text.num_hidden_layers):
+        pairs.extend(_layer_pairs(cfg, i))
+    pairs.append(NamePair("decoder.final_layernorm.weight", ("norm.weight",), "copy"))
+    pairs.append(NamePair("output_layer.weight", ("head.weight",), "rows"))
+    return pairs
+
+
+def _shard(tensor: torch.Tensor, layout: str, rank: int, size: int) -> torch.Tensor:
+    if layout == "copy" or size == 1:
+        return tensor
+    dim = 0 if layout in ("rows", "glu") else 1
+    if tensor.shape[dim] % size:
+        raise ValueError(f"cannot split a {list(tensor.shape)} tensor {size} ways along dim {dim}")
+    return tensor.chunk(size, dim=dim)[rank]
+
+
+def _megatron_name(pair: NamePair, ep_rank: int, local_experts: int) -> str | None:
+    """The name on this expert-parallel rank (None if the expert lives elsewhere)."""
+    if pair.expert is None:
+        return pair.megatron
+    if not ep_rank * local_experts <= pair.expert < (ep_rank + 1) * local_experts:
+        return None
+    local = pair.expert - ep_rank * local_experts
+    return pair.megatron.replace(f"local_experts.{pair.expert}.", f"local_experts.{local}.")
+
+
+@torch.no_grad()
+def load_reference_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, tp_rank: int = 0,
+                         tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> None:
+    """Copy a reference (release-named) state dict into a `DSV41MegatronModel` on one TP/EP rank."""
+    cfg = model.config.dsv4
+    targets = dict(model.named_parameters())
+    targets.update({n: b for n, b in model.named_buffers() if b is not None})
+    persistent = set(model.state_dict().keys())
+    local_experts = cfg.text.n_routed_experts // ep_size
+    written: set[str] = set()
+    for pair in name_map(cfg):
+        name = _megatron_name(pair, ep_rank, local_experts)
+        if name is None:
+            continue
+        missing = [r for r in pair.reference if r not in state]
+        if missing:
+            raise KeyError(f"reference state has no `{missing[0]}` (needed for Megatron `{name}`)")
+        if name not in targets:
+            raise KeyError(f"Megatron model has no `{name}` (source `{pair.reference[0]}`); was it built from "
+                           "the same config with the local backend?")
+        parts = [_shard(state[r], pair.layout, tp_rank, tp_size) for r in pair.reference]
+        value = torch.cat(parts, dim=0) if pair.layout == "glu" else parts[0]
+        target = targets[name]
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"`{pair.reference[0]}` gives {list(value.shape)} for Megatron `{name}`, which is "
+                             f"{list(target.shape)}")
+        target.copy_(value.to(dtype=target.dtype, device=target.device))
+        written.add(name)
+    left = sorted(n for n in persistent if n in targets and n not in written and not n.endswith("._extra_state"))
+    if left:
+        raise KeyError(f"{len(left)} Megatron tensors have no reference source, e.g. `{left[0]}`")
