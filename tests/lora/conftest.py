@@ -73,3 +73,12 @@ def randomize_adapters(model, seed=0, std=0.05):
     with torch.no_grad():
         for p in lora_parameters(model).values():
             p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The tiny model's ops are far too small for intra-op threads; on a busy 2-core runner they only spin."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
