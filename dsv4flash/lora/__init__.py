@@ -1,7 +1,7 @@
 """LoRA placement for the reference model: declarative targets, the study's presets, block-diagonal `wo_a`,
 packed routed experts, PEFT I/O and the early-stopped backward. See docs/lora.md."""
 
-from dsv4flash.lora.apply import AdapterInfo, LoraHandle, apply_lora, get_handle
+from dsv4flash.lora.apply import AdapterInfo, LoraHandle, apply_lora, get_handle, plan_lora
 from dsv4flash.lora.config import PRESETS, LoraConfig, PresetSpec
 from dsv4flash.lora.early_stop import first_trainable_layer, forward_with_early_stop
 from dsv4flash.lora.functional import (block_diagonal, grouped_from_shared_a, grouped_lora_delta, grouped_lora_forward,
@@ -12,7 +12,7 @@ from dsv4flash.lora.state import canonical_key, load_lora_state_dict, lora_param
 from dsv4flash.lora.targets import GROUP_ALIASES, GROUPS, kv_write_modules, module_group, resolve_targets
 
 __all__ = [
-    "AdapterInfo", "LoraHandle", "apply_lora", "get_handle",
+    "AdapterInfo", "LoraHandle", "apply_lora", "get_handle", "plan_lora",
     "PRESETS", "LoraConfig", "PresetSpec",
     "first_trainable_layer", "forward_with_early_stop",
     "block_diagonal", "grouped_from_shared_a", "grouped_lora_delta", "grouped_lora_forward", "lora_delta",

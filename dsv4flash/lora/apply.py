@@ -9,7 +9,7 @@ from torch import nn
 
 from dsv4flash.lora.config import LoraConfig
 from dsv4flash.lora.layers import (ExpertLoraLinear, GroupedLoraProjection, LoraGate, LoraLinear, PackedExpertLora,
-                                   PackedFactors, is_lora_module)
+                                   PackedFactors, expert_factor_shapes, is_lora_module)
 from dsv4flash.lora.targets import expert_site, module_group, resolve_targets
 
 HANDLE_ATTR = "_dsv4flash_lora"
@@ -88,6 +88,34 @@ def require_handle(model: nn.Module, what: str) -> LoraHandle:
     return handle
 
 
+def plan_lora(model: nn.Module, lora_cfg: LoraConfig | str) -> LoraHandle:
+    """Dry run: the handle `apply_lora` would return, without touching the model (works on `meta`)."""
+    cfg = LoraConfig(preset=lora_cfg) if isinstance(lora_cfg, str) else lora_cfg
+    targets = resolve_targets(model, cfg)
+    r, adapters, seen = cfg.rank, [], set()
+    for cand in targets:
+        base = model.get_submodule(cand.name)
+        if cand.kind == "expert":
+            moe_name, _, proj = expert_site(cand.name)
+            if (moe_name, proj) in seen:
+                continue
+            seen.add((moe_name, proj))
+            n_experts = len(model.get_submodule(moe_name).experts)
+            name, kind = f"{moe_name}.experts.{proj}", "packed_experts"
+            shapes = expert_factor_shapes(n_experts, r, base.in_features, base.out_features, proj, cfg.expert_lora)
+        elif cand.kind == "grouped":
+            name, kind = cand.name, "grouped"
+            g, out_g, in_g = base.groups, base.rank, base.in_per_group
+            shapes = ((r, in_g), (g * out_g, r)) if cfg.wo_a_lora == "shared_a" else ((g, r, in_g), (g, out_g, r))
+        else:
+            name, kind = cand.name, cand.kind
+            out_f, in_f = base.weight.shape
+            shapes = (r, in_f), (out_f, r)
+        adapters.append(AdapterInfo(name, kind, module_group(cand.name), *shapes))
+    return LoraHandle(config=cfg, modules=tuple(c.name for c in targets), adapters=tuple(adapters),
+                      lora_dtype=_DTYPES[cfg.lora_dtype])
+
+
 def apply_lora(model: nn.Module, lora_cfg: LoraConfig | str) -> LoraHandle:
     """Freeze every base parameter, wrap the modules `lora_cfg` selects, return the handle.
 
@@ -150,7 +178,7 @@ def _packed_factors(model, moe_name: str, proj: str, base: nn.Linear, cfg: LoraC
         holder = PackedExpertLora(cfg.scaling, cfg.dropout)
         moe.add_module("experts_lora", holder)
     factors = PackedFactors(len(moe.experts), cfg.rank, base.in_features, base.out_features, dtype,
-                            base.weight.device, gen)
+                            base.weight.device, gen, proj=proj, mode=cfg.expert_lora)
     holder.add_module(proj, factors)
     return factors
 

@@ -37,6 +37,7 @@ NO_DOWN_PROJ_EXCLUDE: tuple[str, ...] = ("layers.*.ffn.experts.*.w2",)
 VIT_MODES = ("frozen", "train")
 LORA_DTYPES = ("float32", "bfloat16", "float16")
 WO_A_MODES = ("per_group", "shared_a")
+EXPERT_MODES = ("per_expert", "shared_outer")
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,9 @@ class LoraConfig:
     `PresetSpec` defaults). `alpha` defaults to 2·rank (the study's setting), `dropout` applies to the
     adapter input only. `seed` makes the A initialisation independent of the global RNG. `wo_a_lora`
     picks the block-diagonal parameterisation of the grouped `wo_a`: `per_group` (A_g, B_g per group) or
-    `shared_a` (one A for all groups, per-group B_g; miles/NeMo, G× fewer A parameters).
+    `shared_a` (one A for all groups, per-group B_g; miles/NeMo, G× fewer A parameters). `expert_lora`
+    picks the routed-expert parameterisation: `per_expert` (A_e, B_e for every expert) or `shared_outer`
+    (w1/w3 share A, w2 shares B across the experts; ~3× fewer routed parameters, see docs/lora.md).
     """
 
     preset: str = "full_linear"
@@ -98,6 +101,7 @@ class LoraConfig:
     exclude: list[str] | None = None
     lora_dtype: str = "float32"
     wo_a_lora: str = "per_group"
+    expert_lora: str = "per_expert"
     seed: int = 0
     # Filled by __post_init__: whether `include` came from the preset (preset rules may match nothing
     # on a model that lacks, say, Engram; explicit rules must match something).
@@ -136,6 +140,8 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.vit_lr_mult must be > 0, got {self.vit_lr_mult!r}")
         if self.wo_a_lora not in WO_A_MODES:
             raise ValueError(f"LoraConfig.wo_a_lora must be one of {WO_A_MODES}, got {self.wo_a_lora!r}")
+        if self.expert_lora not in EXPERT_MODES:
+            raise ValueError(f"LoraConfig.expert_lora must be one of {EXPERT_MODES}, got {self.expert_lora!r}")
         if self.lora_dtype not in LORA_DTYPES:
             raise ValueError(f"LoraConfig.lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
         for kind in ("include", "exclude"):

@@ -72,5 +72,6 @@ def grouped_from_shared_a(lora_a: torch.Tensor, lora_b: torch.Tensor, groups: in
 
 
 def packed_expert_delta(lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Per-expert ΔW_e = scaling · B_e·A_e: A [E, r, in], B [E, out, r] -> [E, out, in] (fp32)."""
-    return scaling * torch.bmm(lora_b.float(), lora_a.float())
+    """Per-expert ΔW_e = scaling · B_e·A_e: A [E, r, in] or shared [r, in], B [E, out, r] or shared
+    [out, r] -> [E, out, in] (fp32)."""
+    return scaling * torch.matmul(lora_b.float(), lora_a.float())

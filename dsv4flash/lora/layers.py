@@ -10,6 +10,7 @@ working, and the base stays frozen. Adapter factors live next to them:
 | GroupedLoraProjection | attn.wo_a (grouped)             | `<m>.lora_A` [G, r, in_g], `<m>.lora_B` [G, out_g, r] |
 |                       |   (`wo_a_lora="shared_a"`)      | `<m>.lora_A` [r, in_g], `<m>.lora_B` [G·out_g, r]    |
 | ExpertLoraLinear      | ffn.experts.{e}.w1/w2/w3        | slices of `ffn.experts_lora.{w}.lora_A` [E, r, in], `.lora_B` [E, out, r] |
+|                       |   (`expert_lora="shared_outer"`) | w1/w3: A [r, in] shared, B [E, out, r]; w2: A [E, r, in], B [out, r] shared |
 | LoraGate              | ffn.gate (router, opt-in only)  | `<m>.lora_A` [r, D], `<m>.lora_B` [E, r]           |
 
 A is initialised like PEFT (Kaiming-uniform, a=√5, i.e. U(±1/√in)) from an explicit generator; B is
@@ -115,14 +116,26 @@ class GroupedLoraProjection(GroupedOutputProjection, LoraModule):
         return grouped_lora_delta(self.lora_A, self.lora_B, self.scaling, self.groups)
 
 
+def expert_factor_shapes(n_experts: int, rank: int, in_features: int, out_features: int, proj: str,
+                         mode: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(A, B) shapes of one packed projection. `per_expert`: A [E, r, in], B [E, out, r]. `shared_outer`:
+    the outer factor is one matrix for all experts — A [r, in] for w1/w3 (they share the input x), B
+    [out, r] for w2 (its output side) — as in vLLM's `enable_moe_shared_loras`."""
+    a, b = (n_experts, rank, in_features), (n_experts, out_features, rank)
+    if mode == "shared_outer":
+        return (a[1:], b) if proj in ("w1", "w3") else (a, b[1:])
+    return a, b
+
+
 class PackedFactors(nn.Module):
-    """The LoRA factors of one projection of all routed experts of one layer: A [E, r, in], B [E, out, r]."""
+    """The LoRA factors of one projection of all routed experts of one layer (see `expert_factor_shapes`)."""
 
     def __init__(self, n_experts: int, rank: int, in_features: int, out_features: int, dtype: torch.dtype,
-                 device, generator: torch.Generator | None) -> None:
+                 device, generator: torch.Generator | None, proj: str = "w1", mode: str = "per_expert") -> None:
         super().__init__()
-        self.lora_A = _factor((n_experts, rank, in_features), dtype, device, generator, in_features)
-        self.lora_B = _factor((n_experts, out_features, rank), dtype, device, None, None)
+        a_shape, b_shape = expert_factor_shapes(n_experts, rank, in_features, out_features, proj, mode)
+        self.lora_A = _factor(a_shape, dtype, device, generator, in_features)
+        self.lora_B = _factor(b_shape, dtype, device, None, None)
 
 
 class PackedExpertLora(nn.Module):
@@ -149,13 +162,15 @@ class ExpertLoraLinear(nn.Linear, LoraModule):
 
     @property
     def lora_A(self) -> torch.Tensor:
-        """This expert's A [r, in] (a view of the packed parameter)."""
-        return self._factors.lora_A[self.expert]
+        """This expert's A [r, in] (a view of the packed parameter, or the shared one)."""
+        a = self._factors.lora_A
+        return a[self.expert] if a.dim() == 3 else a
 
     @property
     def lora_B(self) -> torch.Tensor:
-        """This expert's B [out, r] (a view of the packed parameter)."""
-        return self._factors.lora_B[self.expert]
+        """This expert's B [out, r] (a view of the packed parameter, or the shared one)."""
+        b = self._factors.lora_B
+        return b[self.expert] if b.dim() == 3 else b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""

@@ -156,3 +156,26 @@ def test_merged_weights_reproduce_the_adapted_model(make_model, vl_batch):
         adapted, folded, plain = model(ids, types, images), merged(ids, types, images), make_model()(ids, types, images)
     torch.testing.assert_close(folded, adapted, rtol=1e-4, atol=1e-4)
     assert (adapted - plain).abs().max() > 1e-2  # the adapters do change the output
+
+
+def test_shared_outer_experts_share_the_outer_factor(make_model, tiny_cfg):
+    """w1/w3 share A across experts, w2 shares B; each expert still computes W_e + B_e·A_e."""
+    text, r = tiny_cfg.text, 16
+    model = make_model()
+    handle = apply_lora(model, LoraConfig(preset="full_linear", expert_lora="shared_outer"))
+    randomize_adapters(model)
+    units = {a.name: a for a in handle.adapters}
+    assert (units["layers.2.ffn.experts.w1"].shape_a, units["layers.2.ffn.experts.w1"].shape_b) == (
+        (r, text.hidden_size), (text.n_routed_experts, text.moe_intermediate_size, r))
+    assert (units["layers.2.ffn.experts.w2"].shape_a, units["layers.2.ffn.experts.w2"].shape_b) == (
+        (text.n_routed_experts, r, text.moe_intermediate_size), (text.hidden_size, r))
+    moe = model.layers[2].ffn
+    w1, w2 = moe.experts_lora.w1, moe.experts_lora.w2
+    assert moe.experts[3].w1.lora_A.data_ptr() == moe.experts[5].w1.lora_A.data_ptr() == w1.lora_A.data_ptr()
+    deltas = packed_expert_delta(w2.lora_A, w2.lora_B, 2.0)
+    for e in (0, 7):
+        torch.testing.assert_close(moe.experts[e].w2.delta_weight(), deltas[e])
+        torch.testing.assert_close(moe.experts[e].w1.delta_weight(), 2.0 * w1.lora_B[e] @ w1.lora_A)
+    h = torch.randn(1, 9, text.hidden_size, generator=torch.Generator().manual_seed(6))
+    moe(h).sum().backward()
+    assert w1.lora_A.grad.abs().sum() > 0 and w2.lora_B.grad.abs().sum() > 0

@@ -148,3 +148,17 @@ def test_meta_model_counts_without_allocating(tiny_cfg):
     handle = apply_lora(meta, "full_linear")
     assert all(p.is_meta for p in lora_parameters(meta).values())
     assert handle.trainable_params == apply_lora(Transformer(tiny_cfg), "full_linear").trainable_params
+
+
+@pytest.mark.parametrize("cfg", [LoraConfig(preset="vit_lr_0p1"), LoraConfig(preset="decoder_half", wo_a_lora="shared_a"),
+                                 LoraConfig(preset="custom", include=["layers.*.ffn.gate", "head"], rank=4)])
+def test_plan_lora_is_a_faithful_dry_run(make_model, cfg):
+    from dsv4flash.lora import plan_lora
+
+    model = make_model()
+    before = dict(model.named_parameters())
+    planned = plan_lora(model, cfg)
+    assert dict(model.named_parameters()) == before and not any(p.grad is not None for p in before.values())
+    assert all(p.requires_grad for p in before.values())  # untouched: not even frozen
+    applied = apply_lora(model, cfg)
+    assert planned == applied

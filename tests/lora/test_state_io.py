@@ -40,7 +40,8 @@ def test_state_dict_round_trip(make_model, ids):
 
 
 @pytest.mark.parametrize("cfg", [LoraConfig(preset="full_linear"), LoraConfig(preset="vit_lr_0p1", wo_a_lora="shared_a"),
-                                 LoraConfig(preset="decoder_half", lora_dtype="bfloat16")])
+                                 LoraConfig(preset="decoder_half", lora_dtype="bfloat16"),
+                                 LoraConfig(preset="no_down_proj", expert_lora="shared_outer", wo_a_lora="shared_a")])
 def test_peft_round_trip_is_bit_exact(make_model, tmp_path, vl_batch, cfg):
     ids, types, images = vl_batch
     model, handle = _trained(make_model, cfg)
