@@ -8,7 +8,8 @@ from dsv4flash.lora.functional import (block_diagonal, grouped_from_shared_a, gr
                                        lora_delta, lora_forward, packed_expert_delta)
 from dsv4flash.lora.optim import param_groups
 from dsv4flash.lora.peft_io import load_peft_adapter, read_adapter_config, save_peft_adapter
-from dsv4flash.lora.state import canonical_key, load_lora_state_dict, lora_parameters, lora_state_dict, zero_lora
+from dsv4flash.lora.state import (base_state_dict, canonical_key, load_lora_state_dict, lora_parameters, lora_state_dict,
+                                  merged_state_dict, zero_lora)
 from dsv4flash.lora.targets import GROUP_ALIASES, GROUPS, kv_write_modules, module_group, resolve_targets
 
 __all__ = [
@@ -19,6 +20,6 @@ __all__ = [
     "lora_forward", "packed_expert_delta",
     "param_groups",
     "load_peft_adapter", "read_adapter_config", "save_peft_adapter",
-    "canonical_key", "load_lora_state_dict", "lora_parameters", "lora_state_dict", "zero_lora",
+    "base_state_dict", "merged_state_dict", "canonical_key", "load_lora_state_dict", "lora_parameters", "lora_state_dict", "zero_lora",
     "GROUP_ALIASES", "GROUPS", "kv_write_modules", "module_group", "resolve_targets",
 ]
