@@ -64,6 +64,9 @@ class CSA2TransformerBlock(TransformerBlock):
         layout = build_layout(batch, seq_len, self.ratios, halo_width=self.halo_width, padding_mask=padding_mask,
                               packed_seq_params=packed_seq_params, cp=self.cp_spans(seq_len),
                               device=hidden_states.device)
+        if padding_mask is None and not bool(layout.valid.all()):
+            # Padding slots of a packed batch: the MoE router must see them as padding too.
+            padding_mask = ~layout.valid
         return CSA2Tokens(layout=layout, padding_mask=padding_mask, image_mask=image_mask, engram_rows=engram_rows)
 
     # ---- forward -----------------------------------------------------------------------------------

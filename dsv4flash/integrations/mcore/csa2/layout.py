@@ -101,11 +101,18 @@ class GroupTable:
 
 @dataclass(frozen=True)
 class HaloPlan:
-    """Which span tails a CP rank receives, and where they go on its extended axis."""
+    """Which span tails a CP rank reads, and where they go on its extended axis.
+
+    Every rank gathers every rank's span tails and builds its extended axis with one `index_select` from
+    [all tails ‖ local tokens]: the autograd graph then has the same shape on every rank, so the gathers'
+    backward collectives run in the same order everywhere (a rank that skipped an unused gather would hang).
+    """
 
     cp: CPSpans
     width: int  # tokens of halo before every span that does not start the sequence
-    sources: tuple[Optional[tuple[int, int]], ...]  # per local span: (rank, span) feeding its halo, or None
+    # Per local span: (rank, span) whose tail precedes it, or None (sequence start, or this rank's previous span).
+    sources: tuple[Optional[tuple[int, int]], ...]
+    ext_index: torch.Tensor  # [E] index into [all tails (cp·spans·width) ‖ local tokens (S)]
 
 
 @dataclass(frozen=True)
@@ -149,15 +156,12 @@ class TokenLayout:
 
 
 def _assemble(plan: HaloPlan, local: torch.Tensor, gather) -> torch.Tensor:
-    cp, width, c = plan.cp, plan.width, plan.cp.span_len
-    tails = torch.stack([local[:, i * c + c - width: i * c + c] for i in range(len(cp.starts[cp.rank]))])
-    gathered = gather(tails.contiguous())  # [cp, spans, B, width, ...]
-    pieces = []
-    for i, source in enumerate(plan.sources):
-        if source is not None:
-            pieces.append(gathered[source[0], source[1]])
-        pieces.append(local[:, i * c:(i + 1) * c])
-    return torch.cat(pieces, dim=1)
+    c, width = plan.cp.span_len, plan.width
+    spans = local.shape[1] // c
+    tails = torch.stack([local[:, i * c + c - width: i * c + c] for i in range(spans)])  # [spans,B,W,...]
+    gathered = gather(tails.contiguous())  # [cp, spans, B, W, ...]
+    tails_all = gathered.movedim(2, 0).flatten(1, 3)  # [B, cp·spans·W, ...]
+    return torch.cat([tails_all, local], dim=1).index_select(1, plan.ext_index)
 
 
 def _segments_from_padding(valid: torch.Tensor) -> None:
@@ -287,16 +291,21 @@ def build_layout(batch: int, seq_len: int, ratios: Sequence[int], *, halo_width:
     if bool((valid != (pos < last.unsqueeze(1))).any()):
         raise ValueError("context parallel: padding_mask must mark a suffix of each global row (right padding)")
     seq = torch.where(valid, torch.zeros_like(pos), torch.full_like(pos, -1))
-    sources = tuple(None if s == 0 else cp.span_ending_at(s) for s in cp.starts[cp.rank])
-    plan = HaloPlan(cp=cp, width=halo_width, sources=sources)
-    ext_pos_parts, local_slots, offset = [], [], 0
+    sources = tuple(None if s == 0 or cp.span_ending_at(s) == (cp.rank, i - 1) else cp.span_ending_at(s)
+                    for i, s in enumerate(cp.starts[cp.rank]))  # no halo after this rank's own previous span
+    n_spans, c = len(cp.starts[cp.rank]), cp.span_len
+    ext_pos_parts, ext_index, local_slots, offset = [], [], [], 0
     for i, start in enumerate(cp.starts[cp.rank]):
         if sources[i] is not None:
+            r, j = sources[i]
             ext_pos_parts.append(torch.arange(start - halo_width, start))
+            ext_index.append((r * n_spans + j) * halo_width + torch.arange(halo_width))
             offset += halo_width
-        ext_pos_parts.append(torch.arange(start, start + cp.span_len))
-        local_slots.append(torch.arange(offset, offset + cp.span_len))
-        offset += cp.span_len
+        ext_pos_parts.append(torch.arange(start, start + c))
+        ext_index.append(cp.size * n_spans * halo_width + i * c + torch.arange(c))
+        local_slots.append(torch.arange(offset, offset + c))
+        offset += c
+    plan = HaloPlan(cp=cp, width=halo_width, sources=sources, ext_index=torch.cat(ext_index).to(device))
     ext_pos = torch.cat(ext_pos_parts).to(device).expand(batch, -1).contiguous()
     ext_seq = torch.where(ext_pos < last.unsqueeze(1), torch.zeros_like(ext_pos), torch.full_like(ext_pos, -1))
     lengths = [[int(n)] for n in last.tolist()]
