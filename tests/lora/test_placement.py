@@ -162,3 +162,13 @@ def test_plan_lora_is_a_faithful_dry_run(make_model, cfg):
     assert all(p.requires_grad for p in before.values())  # untouched: not even frozen
     applied = apply_lora(model, cfg)
     assert planned == applied
+
+
+def test_text_only_model_takes_every_text_preset_but_not_vit(tiny_cfg):
+    from dsv4flash.model.transformer import Transformer
+
+    text_only = tiny_cfg.replace_vision(num_hidden_layers=0)
+    model = Transformer(text_only)
+    assert set(apply_lora(model, "full_linear").modules) == lm_linear_modules(text_only)
+    with pytest.raises(ValueError, match="no vision tower"):
+        apply_lora(Transformer(text_only), "vit_lr_0p1")

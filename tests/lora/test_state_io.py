@@ -191,3 +191,28 @@ def test_resume_from_a_saved_adapter_is_bit_identical(make_model, ids, tmp_path)
     ropt.load_state_dict(torch.load(tmp_path / "opt.pt"))
     _step(resumed, ropt, ids)
     assert _bit_equal(lora_state_dict(resumed), lora_state_dict(model))
+
+
+def test_deepcopy_keeps_packed_experts_wired_to_the_copy(make_model, ids):
+    import copy
+
+    model, _ = _trained(make_model)
+    clone = copy.deepcopy(model)
+    assert clone.layers[0].ffn.experts[2].w1._factors is clone.layers[0].ffn.experts_lora.w1
+    with torch.no_grad():
+        assert torch.equal(clone(ids), model(ids))
+        clone.layers[0].ffn.experts_lora.w1.lora_B.zero_()
+    assert model.layers[0].ffn.experts_lora.w1.lora_B.abs().sum() > 0  # the original is untouched
+
+
+def test_dropout_acts_on_the_adapter_input_in_train_mode_only(make_model, ids):
+    model = make_model()
+    apply_lora(model, LoraConfig(preset="decoder_half", dropout=0.5))
+    randomize_adapters(model)
+    model.eval()
+    with torch.no_grad():
+        a, b = model(ids), model(ids)
+        model.train()
+        torch.manual_seed(0)
+        c = model(ids)
+    assert torch.equal(a, b) and not torch.equal(a, c)
