@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
 from dsv4flash.lora import PRESETS, LoraConfig, apply_lora, kv_write_modules, lora_parameters
 from dsv4flash.lora.targets import rule_matches
