@@ -105,7 +105,7 @@ def test_packed_experts_equal_per_expert_math(make_model, tiny_cfg):
 
 def test_expert_keys_are_the_lifecycle_packed_layout(make_model, tiny_cfg):
     model = make_model()
-    apply_lora(model, LoraConfig(preset="full_linear", wo_a_lora="shared_a"))
+    apply_lora(model, "full_linear")
     sd = lora_state_dict(model)
     e, r = tiny_cfg.text.n_routed_experts, 16
     assert sd["layers.4.ffn.experts.w1.lora_A.weight"].shape == (e, r, tiny_cfg.text.hidden_size)
