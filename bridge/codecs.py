@@ -38,8 +38,6 @@ _E4M3, _E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
 _CHUNK_ELEMS = 1 << 17
 # Largest scale byte with qmax·2^(b-127) finite in fp32/bf16 (448 = 1.75·2^8, 6 = 1.5·2^2).
 _SAFE_BYTE = {E4M3_MAX: 246, E2M1_MAX: 252}
-# Decode tables. E4M3 NaN codes (0x7F, 0xFF) decode to +inf, a sentinel one amax per chunk detects.
-_E4M3_TABLE = torch.arange(256, dtype=torch.uint8).view(_E4M3).float().nan_to_num(nan=float("inf"))
 _E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 _BYTE = torch.arange(256)
 # One int64 per packed byte = the fp32 pair (low nibble, high nibble): gathering it unpacks and decodes at once.
@@ -77,11 +75,12 @@ def _mul_blocks(values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
         _blocked(values, rs, cs, rb, cb).mul_(scale[srs, scs][:, None, :, None])
 
 
-def _reduce_blocks(t: torch.Tensor, block: tuple[int, int], fn, dtype) -> torch.Tensor:
-    """fn(view) -> [R, C] per region, assembled into one [ceil(rows/br), ceil(cols/bc)] tensor."""
-    out = torch.empty(-(-t.shape[0] // block[0]), -(-t.shape[1] // block[1]), dtype=dtype)
-    for rs, cs, srs, scs, rb, cb in _regions(*t.shape, block):
-        out[srs, scs] = fn(_blocked(t, rs, cs, rb, cb))
+def _block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """max |x| per block of an fp32 tensor, [ceil(rows/br), ceil(cols/bc)]; NaN and inf propagate."""
+    out = torch.empty(-(-x.shape[0] // block[0]), -(-x.shape[1] // block[1]), dtype=torch.float32)
+    for rs, cs, srs, scs, rb, cb in _regions(*x.shape, block):
+        view = _blocked(x, rs, cs, rb, cb)
+        out[srs, scs] = torch.maximum(view.amax((1, 3)), -view.amin((1, 3)))
     return out
 
 
@@ -144,32 +143,44 @@ def _output(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype
 
 
 # ---------------------------------------------------------------------------------------------- decode
+def _fp8_chunk(raw: torch.Tensor, values: torch.Tensor, bits: torch.Tensor, name: str, row0: int) -> None:
+    """E4M3 bytes -> values · 2^-8 in fp32: the 7 magnitude bits shifted into an fp16's exponent and
+    mantissa (subnormals land on fp16 subnormals), the sign moved to bit 15, then a hardware fp16 -> fp32."""
+    as_int8 = raw.view(torch.int8)
+    if int(as_int8.max()) == 0x7F or int(raw.max()) == 0xFF:  # the only two NaN codes are extremal bytes
+        raise CodecError(f"{name}: E4M3 NaN code at index {_first((raw & 0x7F) == 0x7F, row0)}")
+    bits.copy_(as_int8)  # sign-extends: negative codes get bits 15 and 14 set
+    bits.bitwise_left_shift_(7).bitwise_and_(~0x4000)
+    values.copy_(bits.view(torch.float16))
+
+
 def _decode(kind: str, raw, raw_scale, block, out, name) -> torch.Tensor:
     """Decode codes (uint8) with scale bytes into `out`, one row chunk at a time."""
     rows, cols = out.shape
-    qmax = E2M1_MAX if kind == "mxfp4" else E4M3_MAX
-    check_overflow = raw_scale.numel() > 0 and int(raw_scale.max()) > _SAFE_BYTE[qmax]
+    qmax, unit = (E2M1_MAX, 1.0) if kind == "mxfp4" else (E4M3_MAX, 2.0**8)  # chunk values are code / unit
+    high = raw_scale.numel() > 0 and int(raw_scale.max()) > _SAFE_BYTE[qmax]
     scale = _scale_values(raw_scale)
+    if not high:  # fold 1/unit into the scale; with scale bytes near the top that could overflow
+        scale.mul_(unit)
     step = _chunks(rows, cols, block[0])[0][1] if rows else 0
-    idx = torch.empty(step * raw.shape[1], dtype=torch.int64)
     scratch = None if out.dtype == torch.float32 else torch.empty(step * cols, dtype=torch.float32)
+    work = torch.empty(step * raw.shape[1], dtype=torch.int64 if kind == "mxfp4" else torch.int16)
     for r0, r1 in _chunks(rows, cols, block[0]):
         n = r1 - r0
-        chunk_idx = idx[: n * raw.shape[1]].view(n, raw.shape[1])
-        chunk_idx.copy_(raw[r0:r1])
         values = out[r0:r1] if scratch is None else scratch[: n * cols].view(n, cols)
+        chunk_work = work[: n * raw.shape[1]].view(n, raw.shape[1])
         if kind == "mxfp4":  # gather one fp32 pair per byte: columns (2k, 2k+1) from nibbles (low, high)
-            pairs = values.view(torch.int64)
-            torch.gather(_E2M1_PAIR_TABLE.expand(n, 256), 1, chunk_idx, out=pairs)
+            chunk_work.copy_(raw[r0:r1])
+            torch.gather(_E2M1_PAIR_TABLE.expand(n, 256), 1, chunk_work, out=values.view(torch.int64))
         else:
-            torch.gather(_E4M3_TABLE.expand(n, 256), 1, chunk_idx, out=values)
-            if n and values.amax() == float("inf"):
-                raise CodecError(f"{name}: E4M3 NaN code at index {_first(values == float('inf'), r0)}")
+            _fp8_chunk(raw[r0:r1], values, chunk_work, name, r0)
+        if high:
+            values.mul_(unit)
         _mul_blocks(values, scale[r0 // block[0]: -(-r1 // block[0])], block)
-        if check_overflow and not bool(torch.isfinite(values).all()):
+        if high and not bool(torch.isfinite(values).all()):
             raise CodecError(f"{name}: decoded value overflows fp32 at index {_first(~torch.isfinite(values), r0)}")
         if scratch is not None:
-            out[r0:r1].copy_(values)  # exact power-of-two products round once here (RNE)
+            out[r0:r1].copy_(values)  # the exact fp32 products round once here (RNE)
     return out
 
 
@@ -196,16 +207,14 @@ def decode_mxfp4(weight, scale, *, dtype=torch.float32, out=None, name="tensor")
 
 
 # ---------------------------------------------------------------------------------------------- encode
-def _fp8_quantize(w: torch.Tensor, raw_scale: torch.Tensor, block) -> torch.Tensor:
-    """E4M3 bytes of w / scale, round to nearest even (the scale keeps |w/s| <= 448)."""
-    x = w.to(torch.float32, copy=True)
+def _fp8_quantize(x: torch.Tensor, raw_scale: torch.Tensor, block) -> torch.Tensor:
+    """E4M3 bytes of x / scale, round to nearest even (the scale keeps |x/s| <= 448); x (fp32) is consumed."""
     _mul_blocks(x, _inverse_scale_values(raw_scale), block)
     return x.to(_E4M3).view(torch.uint8)
 
 
-def _mx_quantize(w: torch.Tensor, raw_scale: torch.Tensor, block) -> torch.Tensor:
-    """Packed MXFP4 bytes of w / scale, round to nearest even on the E2M1 grid."""
-    x = w.to(torch.float32, copy=True)
+def _mx_quantize(x: torch.Tensor, raw_scale: torch.Tensor, block) -> torch.Tensor:
+    """Packed MXFP4 bytes of x / scale, round to nearest even on the E2M1 grid; x (fp32) is consumed."""
     _mul_blocks(x, _inverse_scale_values(raw_scale), block)
     x.clamp_(-E2M1_MAX, E2M1_MAX)
     # The grid step is 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], i.e. 2^(clamp(floor(log2|x|), 0, 2) - 1):
@@ -219,10 +228,10 @@ def _mx_quantize(w: torch.Tensor, raw_scale: torch.Tensor, block) -> torch.Tenso
     return nibble[:, 0::2] | (nibble[:, 1::2] << 4)
 
 
-def _values(kind: str, codes: torch.Tensor, raw_scale: torch.Tensor, block) -> torch.Tensor:
+def _values(kind: str, codes: torch.Tensor, raw_scale: torch.Tensor, block, name: str) -> torch.Tensor:
     """fp32 decode of one chunk's codes (used to test whether a reference scale is lossless)."""
     cols = codes.shape[1] * (2 if kind == "mxfp4" else 1)
-    return _decode(kind, codes, raw_scale, block, torch.empty(codes.shape[0], cols), "chunk")
+    return _decode(kind, codes, raw_scale, block, torch.empty(codes.shape[0], cols), name)
 
 
 def _input_shape(w: torch.Tensor, name: str) -> tuple[int, int]:
@@ -241,18 +250,17 @@ def _encode(kind: str, w, like_scale, block, scale_shape, name) -> tuple[torch.T
     codes = torch.empty(rows, cols // 2 if kind == "mxfp4" else cols, dtype=torch.uint8)
     raw_scale = torch.empty(scale_shape, dtype=torch.uint8)
     for r0, r1 in _chunks(rows, cols, block[0]):
-        chunk, srows = w[r0:r1], slice(r0 // block[0], -(-r1 // block[0]))
-        amax = _reduce_blocks(chunk, block, lambda v: torch.maximum(v.amax((1, 3)), -v.amin((1, 3))), torch.float32)
+        # fp32 chunk copy: the quantizers work in place, and bf16 block reductions are an order slower
+        x, srows = w[r0:r1].to(torch.float32, copy=True), slice(r0 // block[0], -(-r1 // block[0]))
+        amax = _block_amax(x, block)
         if not bool(torch.isfinite(amax).all()):  # amax propagates NaN and inf, so this sees every element
-            bad = ~torch.isfinite(chunk)
-            raise CodecError(f"{name}: non-finite input value at index {_first(bad, r0)}")
+            raise CodecError(f"{name}: non-finite input value at index {_first(~torch.isfinite(x), r0)}")
         chosen = canonical_e8m0(amax, qmax)
-        if ref is not None:
-            lossless = _values(kind, quantize(chunk, ref[srows], block), ref[srows], block) == chunk
-            exact = _reduce_blocks(lossless.view(torch.uint8), block, lambda v: v.amin((1, 3)), torch.uint8)
-            chosen = torch.where(exact.bool(), ref[srows], chosen)
+        if ref is not None:  # keep the reference scale where it reproduces the block exactly
+            error = _values(kind, quantize(x.clone(), ref[srows], block), ref[srows], block, name).sub_(x)
+            chosen = torch.where(_block_amax(error, block) == 0, ref[srows], chosen)
         raw_scale[srows] = chosen
-        codes[r0:r1] = quantize(chunk, chosen, block)
+        codes[r0:r1] = quantize(x, chosen, block)
     return codes, raw_scale
 
 
