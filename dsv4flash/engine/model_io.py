@@ -1,0 +1,103 @@
+"""Base checkpoints of the local engine: `model.safetensors` in reference (= release) tensor names, fp32,
+plus `config.json`, `tokenizer.json` and `base.json` (fingerprint and provenance).
+
+NOTE: the checkpoint bridge (`dsv4flash_bridge`) has no release-format converter yet, so bases are stored
+unquantized in reference naming. Once the bridge can write/read the release layout (FP8 32×32, MXFP4
+experts), `save_base`/`load_base_weights` should go through it so the local path exercises the same code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsv4flash.config import DSV41FlashConfig, load_config
+
+WEIGHTS = "model.safetensors"
+MANIFEST = "base.json"
+
+
+class BaseCheckpointError(ValueError):
+    """A base directory that is missing files or does not fit the model (names the file and tensor)."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def save_base(model: nn.Module, cfg: DSV41FlashConfig, tokenizer, directory: str | os.PathLike,
+              provenance: dict[str, Any]) -> Path:
+    """Write a complete base directory atomically (temp dir in the same parent, then rename)."""
+    from safetensors.torch import save_file
+
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+                 if k in dict(model.named_parameters())}
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "naming": "dsv4flash-reference"})
+        cfg.save(tmp / "config.json")
+        tokenizer.save(tmp)
+        manifest = {"weights_sha256": _sha256(tmp / WEIGHTS), "tensors": len(state),
+                    "parameters": int(sum(v.numel() for v in state.values())), **provenance}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    """`base.json` of a base directory."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise BaseCheckpointError(f"{path}: missing (not a dsv4flash base directory)")
+    return json.loads(path.read_text())
+
+
+def base_config(directory: str | os.PathLike) -> DSV41FlashConfig:
+    """The model config stored with a base."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise BaseCheckpointError(f"{path}: missing (not a dsv4flash base directory)")
+    return load_config(path)
+
+
+def load_base_weights(model: nn.Module, directory: str | os.PathLike) -> None:
+    """Load `model.safetensors` into `model`; every parameter must be present with its exact shape."""
+    from safetensors.torch import load_file
+
+    path = Path(directory) / WEIGHTS
+    if not path.is_file():
+        raise BaseCheckpointError(f"{path}: missing")
+    state = load_file(str(path))
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(state))
+    unexpected = sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise BaseCheckpointError(f"{path}: tensors do not match the model: missing {missing[:5]}"
+                                  f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                                  f"{'...' if len(unexpected) > 5 else ''}")
+    with torch.no_grad():
+        for name, param in params.items():
+            src = state[name]
+            if tuple(src.shape) != tuple(param.shape):
+                raise BaseCheckpointError(f"{path}: tensor {name} has shape {list(src.shape)}, the model expects "
+                                          f"{list(param.shape)}")
+            param.copy_(src.to(param.dtype))

@@ -1,0 +1,5 @@
+"""`python -m dsv4flash.train +recipe=NAME`."""
+
+from dsv4flash.train.main import main
+
+main()

@@ -1,0 +1,102 @@
+"""The project's small base model for the built-in tasks: built by the `pretrain_tiny` recipe, cached by config.
+
+`ensure_base(cfg)` returns the base directory a fine-tuning run loads:
+
+- `model.base=pretrain_tiny`: `<cache>/bases/pretrain_tiny-<key>/model`, where `<key>` hashes the resolved
+  pretrain_tiny config (plus `model.base_overrides`); built on first use (under a file lock, so concurrent
+  runs build it once) — deterministic for a given config and seed;
+- `model.base=random`: None (seeded initialisation);
+- anything else: a directory written by a previous run (`model/` of a full-model run, or a base dir).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from dsv4flash.engine.local import fingerprint, run_local
+from dsv4flash.engine.model_io import MANIFEST, read_manifest
+from dsv4flash.train.compose import compose, to_train_config
+
+PRETRAIN_RECIPE = "pretrain_tiny"
+BASE_FORMAT = "dsv4flash-base-v1"
+
+
+def cache_root(cfg: Any) -> Path:
+    """model.cache_dir, else $DSV4FLASH_CACHE, else ~/.cache/dsv4flash."""
+    root = cfg.model.cache_dir or os.environ.get("DSV4FLASH_CACHE") or Path.home() / ".cache" / "dsv4flash"
+    return Path(root).expanduser()
+
+
+def pretrain_config(cfg: Any) -> Any:
+    """The pretrain_tiny run that produces the base `cfg` asks for (same flavour, plus model.base_overrides)."""
+    overrides = [f"model.flavour={cfg.model.flavour}", *cfg.model.base_overrides]
+    return to_train_config(compose(PRETRAIN_RECIPE, overrides))
+
+
+def base_key(pcfg: Any) -> str:
+    """Cache key of a pretrain config: its fingerprint (volatile fields dropped) and the base format."""
+    return fingerprint(pcfg, BASE_FORMAT)[:16]
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def cached_base_dir(cfg: Any, pcfg: Any | None = None) -> Path:
+    """Where the base of `cfg` lives in the cache (it may not exist yet)."""
+    pcfg = pcfg or pretrain_config(cfg)
+    return cache_root(cfg) / "bases" / f"{PRETRAIN_RECIPE}-{base_key(pcfg)}" / "model"
+
+
+def ensure_base(cfg: Any, log=print) -> Path | None:
+    """The base directory to load for `cfg`, building the pretrain_tiny base when it is missing."""
+    base = cfg.model.base
+    if base == "random":
+        return None
+    if base != PRETRAIN_RECIPE:
+        path = Path(base).expanduser()
+        if not (path / MANIFEST).is_file():
+            raise FileNotFoundError(f"model.base={base!r}: no {MANIFEST} there; expected 'pretrain_tiny', 'random' or "
+                                    "a base directory written by a full-model run (its model/ folder)")
+        return path
+    pcfg = pretrain_config(cfg)
+    target = cached_base_dir(cfg, pcfg)
+    if (target / MANIFEST).is_file():
+        return target
+    with _locked(target.parent.with_name(target.parent.name + ".lock")):
+        if (target / MANIFEST).is_file():  # built by a concurrent run while we waited
+            return target
+        log(f"base model missing: building it with +recipe={PRETRAIN_RECIPE} into {target.parent} "
+            "(once; cached for later runs)")
+        result = run_local(pcfg, target.parent)
+        if result.model_dir != target:
+            raise RuntimeError(f"pretrain run wrote its model to {result.model_dir}, expected {target}")
+    return target
+
+
+def install_base(pcfg: Any, model_dir: Path, root: Path) -> Path:
+    """Copy a finished pretrain run's model into the cache slot of its config (no-op when present)."""
+    target = root / "bases" / f"{PRETRAIN_RECIPE}-{base_key(pcfg)}" / "model"
+    if (target / MANIFEST).is_file():
+        return target
+    with _locked(target.parent.with_name(target.parent.name + ".lock")):
+        if not (target / MANIFEST).is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(model_dir, tmp)
+            read_manifest(tmp)
+            os.replace(tmp, target)
+    return target

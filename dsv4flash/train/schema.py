@@ -1,0 +1,252 @@
+"""Typed schema of a training run, stored in Hydra's ConfigStore.
+
+The primary config `recipes/config.yaml` names `train_schema` first in its defaults, so every key a
+recipe or the command line sets is checked against these dataclasses at compose time: a misspelt key or
+a wrongly typed value is an error naming the key. `engine` and `algorithm` hold one of several option
+schemas (each option file names its own schema: `engine/local.yaml` -> `local_schema`, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConf:
+    """The base model: architecture flavour and where its weights come from."""
+
+    # config flavour ("tiny", "flash", "tiny_mtp") or a path to a release config.json
+    flavour: str = "tiny"
+    # "pretrain_tiny" (built by the project, cached), "random" (seeded init) or a checkpoint directory
+    base: str = "pretrain_tiny"
+    # training dtype of the base weights on the local engine
+    dtype: str = "float32"
+    # cache root for built bases (default $DSV4FLASH_CACHE or ~/.cache/dsv4flash)
+    cache_dir: Optional[str] = None
+    # HF-format release checkpoint that veRL/Megatron-Bridge/vLLM load (engine=verl)
+    hf_path: Optional[str] = None
+    # overrides of the pretrain_tiny recipe used when the base must be built (e.g. ["engine.steps=20"])
+    base_overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DataConf:
+    """Which built-in tasks to train on, with mixture weights and per-task options."""
+
+    # task name -> mixture weight (tasks: arithmetic, countdown, geometry)
+    tasks: dict[str, float] = field(default_factory=lambda: {"geometry": 1.0})
+    # task name -> constructor options (e.g. {geometry: {max_shapes: 3}})
+    task_options: dict[str, Any] = field(default_factory=dict)
+    # held-out problems, never drawn for training
+    val_size: int = 128
+    # longest generated answer (tokens, eos included)
+    max_new_tokens: int = 8
+    # prompt/answer budget of a row when exported for veRL
+    max_prompt_length: int = 64
+    max_response_length: int = 16
+    # training problems written per epoch file when exported for veRL
+    verl_train_size: int = 4096
+
+
+@dataclass
+class OptimConf:
+    """AdamW with warmup and a constant or cosine schedule (the study: lr 5e-5, constant)."""
+
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    # constant | cosine
+    schedule: str = "constant"
+    # cosine floor as a fraction of lr
+    min_lr_ratio: float = 0.0
+    # global grad-norm clip (0 disables)
+    clip_grad: float = 1.0
+
+
+@dataclass
+class LoraConf:
+    """LoRA placement (`dsv4flash.lora.LoraConfig`); null fields come from the preset."""
+
+    # false trains every parameter (used by pretrain_tiny)
+    enabled: bool = True
+    # full_linear | full_linear_r8 | decoder_half | encoder_half | lean_attention | no_down_proj | vit_lr_0p1 | custom
+    preset: str = "full_linear"
+    rank: Optional[int] = None
+    # default 2 * rank (the study's setting)
+    alpha: Optional[float] = None
+    dropout: float = 0.0
+    # frozen | train
+    vit: Optional[str] = None
+    vit_lr_mult: Optional[float] = None
+    freeze_kv_write: Optional[bool] = None
+    # all | encoder | decoder | explicit ids
+    layers: Optional[str] = None
+    include: Optional[list[str]] = None
+    exclude: Optional[list[str]] = None
+    lora_dtype: str = "float32"
+    seed: int = 0
+    # merge into the base for veRL weight sync (false: adapters travel unmerged, as the study)
+    merge: bool = False
+
+
+@dataclass
+class PretrainAlgo:
+    """Next-token pretraining of the whole model on prompt and answer text."""
+
+    name: str = "pretrain"
+
+
+@dataclass
+class SFTAlgo:
+    """Supervised fine-tuning: NLL of the reference answer."""
+
+    name: str = "sft"
+
+
+@dataclass
+class DPOAlgo:
+    """Direct preference optimisation on (reference answer, wrong answer) pairs; reference = the base."""
+
+    name: str = "dpo"
+    beta: float = 0.1
+
+
+@dataclass
+class RolloutCorrectionConf:
+    """Train/rollout mismatch correction: icepop (mask outside [lower, upper]), tis (clamp at tis_cap) or none."""
+
+    mode: str = "icepop"
+    lower: float = 0.5
+    upper: float = 5.0
+    tis_cap: float = 2.0
+    # true: the rollout log-probs serve as the old policy (no recompute); false: decoupled (recompute old)
+    bypass: bool = False
+
+
+@dataclass
+class GRPOAlgo:
+    """GRPO: group-normalised advantages, clipped policy loss, rollout correction over sampled log-probs."""
+
+    name: str = "grpo"
+    # samples per prompt
+    group_size: int = 8
+    temperature: float = 1.0
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    norm_adv_by_std: bool = True
+    # token-mean | seq-mean-token-mean
+    loss_agg_mode: str = "token-mean"
+    # optimisation passes over each rollout batch, and mini-batches per pass
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    rollout_correction: RolloutCorrectionConf = field(default_factory=RolloutCorrectionConf)
+    # dtype the local sampler runs in (bfloat16 emulates a bf16 rollout engine against an fp32 trainer)
+    rollout_dtype: str = "float32"
+    # veRL: replay the rollout's expert routes in the Megatron forward (disabled | R2 | R3)
+    router_replay: str = "R3"
+
+
+@dataclass
+class LocalEngine:
+    """Embedded single-process CPU engine."""
+
+    name: str = "local"
+    steps: int = 100
+    # prompts per step (GRPO: each sampled group_size times)
+    batch_size: int = 16
+    # learning rate on the local engine (null: optim.lr); tiny models need more than the study's 5e-5
+    lr: Optional[float] = None
+    eval_every: int = 20
+    log_every: int = 5
+    # save a resumable checkpoint every N steps (0: only at the end)
+    checkpoint_every: int = 25
+    # resume from output_dir/checkpoint when present
+    resume: bool = True
+    # forward only the trainable layers with grad (LoRA early stop)
+    early_stop: bool = True
+    # greedy-decode the validation set at each evaluation (accuracy / reward)
+    eval_generate: bool = True
+    # torch threads (0: leave torch's default)
+    threads: int = 2
+    # rich progress bar (auto: only on a terminal)
+    progress: str = "auto"
+
+
+@dataclass
+class VerlEngine:
+    """veRL GRPO (`verl.trainer.main_ppo`): Megatron actor with the dsv4flash plugin, vLLM rollout with LoRA."""
+
+    name: str = "verl"
+    # auto: launch only when CUDA GPUs are visible; never: stop after validation; force: launch regardless
+    launch: str = "auto"
+    nnodes: int = 1
+    n_gpus_per_node: int = 8
+    total_training_steps: int = 100
+    # prompts per step (each sampled algorithm.group_size times)
+    train_batch_size: int = 32
+    ppo_mini_batch_size: int = 32
+    micro_batch_size_per_gpu: int = 1
+    # Megatron actor parallelism
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 2
+    expert_model_parallel_size: int = 8
+    # uniform full recompute, as the study
+    recompute: bool = True
+    optimizer_offload: bool = True
+    param_offload: bool = False
+    # vLLM rollout
+    rollout_tensor_parallel_size: int = 8
+    rollout_expert_parallel_size: int = 8
+    gpu_memory_utilization: float = 0.6
+    # the plugin module veRL imports in every worker (HFModelConfig.external_lib)
+    external_lib: str = "dsv4flash.integrations.verl"
+    # where the exported parquet files and reward function go (default: output_dir/verl_data)
+    data_dir: Optional[str] = None
+    project_name: str = "dsv4flash"
+    test_freq: int = 10
+    save_freq: int = 50
+    # raw veRL overrides appended last (Hydra override grammar against verl's ppo_trainer)
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    """A whole run: model, data, engine, optimiser, LoRA placement and algorithm."""
+
+    model: ModelConf = field(default_factory=ModelConf)
+    data: DataConf = field(default_factory=DataConf)
+    engine: Any = MISSING
+    optim: OptimConf = field(default_factory=OptimConf)
+    lora: LoraConf = field(default_factory=LoraConf)
+    algorithm: Any = MISSING
+    seed: int = 0
+    # where outputs go (null: the Hydra run directory)
+    output_dir: Optional[str] = None
+    # the recipe this run came from (set by each recipe file)
+    recipe: str = "default"
+
+
+SCHEMAS: dict[tuple[str | None, str], type] = {
+    (None, "train_schema"): TrainConfig,
+    ("engine", "local_schema"): LocalEngine,
+    ("engine", "verl_schema"): VerlEngine,
+    ("algorithm", "pretrain_schema"): PretrainAlgo,
+    ("algorithm", "sft_schema"): SFTAlgo,
+    ("algorithm", "dpo_schema"): DPOAlgo,
+    ("algorithm", "grpo_schema"): GRPOAlgo,
+}
+
+
+def register_schemas() -> None:
+    """Store every schema in Hydra's ConfigStore (idempotent: storing again replaces the same node)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for (group, name), node in SCHEMAS.items():
+        cs.store(group=group, name=name, node=node)

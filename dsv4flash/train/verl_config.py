@@ -1,0 +1,276 @@
+"""Translate a run config into a complete veRL `ppo_trainer` config and validate it with veRL's own code.
+
+The config is composed from verl's installed tree (`pkg://verl.trainer.config`, `ppo_trainer`) with
+`model_engine=megatron` and one Hydra override per setting below, so veRL's schema checks every key we
+set; then `verl.utils.config.validate_config` (the check `main_ppo` runs) and veRL's typed dataclasses
+(`omega_conf_to_dataclass`) validate the result. Nothing here needs a GPU.
+
+LoRA targets: the placement is resolved on the reference model (meta device) exactly as the local engine
+does, then translated to megatron-core module names with the plugin's name map
+(`dsv4flash.integrations.mcore.csa2.weights.name_map`) and compressed into Megatron-Bridge wildcard
+patterns (`*.layers.20.self_attention.linear_q_down`, `*.layers.20.mlp.experts.*linear_fc1`).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+VERL_CONFIG_MODULE = "verl.trainer.config"
+VERL_PRIMARY = "ppo_trainer"
+MODEL_PATH_UNSET = "<unset: model.hf_path>"
+
+
+class VerlConfigError(ValueError):
+    """A run config that veRL cannot express, or a veRL config that fails veRL's validation."""
+
+
+def hydra_value(value: Any) -> str:
+    """A Python value in Hydra's override grammar (strings quoted, lists/dicts recursive)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} as a Hydra override value")
+
+
+def megatron_lora_targets(mcfg: Any, lora_cfg: Any) -> list[str]:
+    """Megatron-Bridge `target_modules` patterns for a LoRA placement (resolved on the reference model)."""
+    from dsv4flash.integrations.mcore.csa2.weights import name_map
+    from dsv4flash.lora import resolve_targets
+    from dsv4flash.model.transformer import Transformer
+
+    model = Transformer(mcfg, device="meta", seed=None)
+    selected = {c.name for c in resolve_targets(model, lora_cfg) if not c.name.startswith(("vision.", "aligner."))}
+    by_module: dict[str, list[str]] = defaultdict(list)
+    for pair in name_map(mcfg):
+        for ref in pair.reference:
+            if ref.endswith(".weight"):
+                by_module[pair.megatron[: -len(".weight")]].append(ref[: -len(".weight")])
+    covered: set[str] = set()
+    chosen: list[str] = []
+    for meg, refs in by_module.items():
+        hit = [r for r in refs if r in selected]
+        if hit and len(hit) != len(refs):
+            raise VerlConfigError(f"LoRA placement selects {hit} but not {sorted(set(refs) - set(hit))}; Megatron fuses "
+                                  f"them into one module ({meg}), so they must be adapted together on engine=verl")
+        if hit:
+            chosen.append(meg)
+            covered.update(hit)
+    missing = sorted(selected - covered)
+    if missing:
+        raise VerlConfigError(f"LoRA placement selects modules with no Megatron counterpart in the plugin's name "
+                              f"map: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    # Compress: one pattern per (layer, module suffix); routed experts take any local id / grouped layout.
+    patterns: dict[tuple[str, str], None] = {}
+    for meg in chosen:
+        parts = meg.split(".")
+        layer = parts[2] if parts[:2] == ["decoder", "layers"] else None
+        rest = ".".join(parts[3:]) if layer is not None else meg
+        if ".local_experts." in rest:
+            head, tail = rest.split(".local_experts.")
+            rest = f"{head}.*{tail.split('.', 1)[1]}"
+        patterns[(layer or "", rest)] = None
+    layers = sorted({int(k[0]) for k in patterns if k[0]})
+    all_layers = set(range(mcfg.text.num_hidden_layers))
+    out: list[str] = []
+    for rest in dict.fromkeys(r for _, r in patterns):
+        owners = {int(layer) for layer, r in patterns if r == rest and layer}
+        if owners == all_layers:
+            out.append(f"*.layers.*.{rest}")
+        else:
+            out.extend(f"*.layers.{layer}.{rest}" for layer in layers if layer in owners)
+    return out
+
+
+def _lora(cfg: Any):
+    from dsv4flash.engine.local import _lora_config
+
+    return _lora_config(cfg.lora)
+
+
+def verl_overrides(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str) -> list[str]:
+    """Hydra overrides of verl's ppo_trainer that express the run (engine=verl, algorithm=grpo)."""
+    from dsv4flash.config import load_config
+
+    eng, algo, opt = cfg.engine, cfg.algorithm, cfg.optim
+    if algo.name != "grpo":
+        raise VerlConfigError(f"engine=verl runs GRPO through verl.trainer.main_ppo; algorithm={algo.name!r} is a "
+                              "local-engine algorithm (use algorithm=grpo, or engine=local)")
+    mcfg = load_config(cfg.model.flavour)
+    settings: dict[str, Any] = {
+        "model_engine": "megatron",
+        # model + plugin
+        "actor_rollout_ref.model.path": cfg.model.hf_path or MODEL_PATH_UNSET,
+        "actor_rollout_ref.model.external_lib": eng.external_lib,
+        "actor_rollout_ref.model.trust_remote_code": False,
+        "actor_rollout_ref.model.enable_gradient_checkpointing": eng.recompute,
+        # trainer
+        "trainer.nnodes": eng.nnodes,
+        "trainer.n_gpus_per_node": eng.n_gpus_per_node,
+        "trainer.total_training_steps": eng.total_training_steps,
+        "trainer.project_name": eng.project_name,
+        "trainer.experiment_name": cfg.recipe,
+        "trainer.logger": ["console"],
+        "trainer.default_local_dir": f"{output_dir}/verl_checkpoints",
+        "trainer.test_freq": eng.test_freq,
+        "trainer.save_freq": eng.save_freq,
+        "trainer.val_before_train": True,
+        # data
+        "data.train_files": f"{data_dir}/train.parquet",
+        "data.val_files": f"{data_dir}/val.parquet",
+        "data.train_batch_size": eng.train_batch_size,
+        "data.max_prompt_length": cfg.data.max_prompt_length,
+        "data.max_response_length": cfg.data.max_response_length,
+        "data.image_key": "images",
+        "data.prompt_key": "prompt",
+        "data.seed": cfg.seed,
+        "custom_reward_function.path": reward_path,
+        "custom_reward_function.name": "compute_score",
+        # GRPO
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.norm_adv_by_std_in_grpo": algo.norm_adv_by_std,
+        "algorithm.use_kl_in_reward": False,
+        "actor_rollout_ref.actor.use_kl_loss": False,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": eng.ppo_mini_batch_size,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": eng.micro_batch_size_per_gpu,
+        "actor_rollout_ref.actor.ppo_epochs": algo.ppo_epochs,
+        "actor_rollout_ref.actor.clip_ratio_low": algo.clip_ratio_low,
+        "actor_rollout_ref.actor.clip_ratio_high": algo.clip_ratio_high,
+        "actor_rollout_ref.actor.loss_agg_mode": algo.loss_agg_mode,
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": eng.micro_batch_size_per_gpu,
+        # optimiser (the study: AdamW, lr 5e-5, constant)
+        "actor_rollout_ref.actor.optim.lr": opt.lr,
+        "actor_rollout_ref.actor.optim.weight_decay": opt.weight_decay,
+        "actor_rollout_ref.actor.optim.betas": list(opt.betas),
+        "actor_rollout_ref.actor.optim.clip_grad": opt.clip_grad,
+        "actor_rollout_ref.actor.optim.lr_warmup_steps": opt.warmup_steps,
+        "actor_rollout_ref.actor.optim.lr_decay_style": opt.schedule,
+        "actor_rollout_ref.actor.optim.min_lr": opt.lr * opt.min_lr_ratio,
+        # Megatron actor: Bridge-backed model, parallelism, recompute, offload, router replay
+        "actor_rollout_ref.actor.megatron.use_mbridge": True,
+        "actor_rollout_ref.actor.megatron.vanilla_mbridge": False,
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": eng.tensor_model_parallel_size,
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": eng.pipeline_model_parallel_size,
+        "actor_rollout_ref.actor.megatron.context_parallel_size": eng.context_parallel_size,
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size": eng.expert_model_parallel_size,
+        "actor_rollout_ref.actor.megatron.param_offload": eng.param_offload,
+        "actor_rollout_ref.actor.megatron.optimizer_offload": eng.optimizer_offload,
+        "actor_rollout_ref.actor.megatron.router_replay.mode": algo.router_replay,
+        # vLLM rollout: sampled log-probs for the correction, routes for R3, LoRA unmerged
+        "actor_rollout_ref.rollout.name": "vllm",
+        "actor_rollout_ref.rollout.n": algo.group_size,
+        "actor_rollout_ref.rollout.temperature": algo.temperature,
+        "actor_rollout_ref.rollout.calculate_log_probs": True,
+        "actor_rollout_ref.rollout.enable_rollout_routing_replay": algo.router_replay != "disabled",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": eng.rollout_tensor_parallel_size,
+        "actor_rollout_ref.rollout.expert_parallel_size": eng.rollout_expert_parallel_size,
+        "actor_rollout_ref.rollout.gpu_memory_utilization": eng.gpu_memory_utilization,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": eng.micro_batch_size_per_gpu,
+        "actor_rollout_ref.rollout.load_format": "auto",
+    }
+    if eng.recompute:
+        settings.update({
+            "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity": "full",
+            "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method": "uniform",
+            "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers": 1,
+        })
+    settings.update(_rollout_correction(algo))
+    settings.update(_lora_settings(cfg, mcfg))
+    return [f"{key}={hydra_value(value)}" for key, value in settings.items()] + list(eng.overrides)
+
+
+def _rollout_correction(algo: Any) -> dict[str, Any]:
+    corr = algo.rollout_correction
+    if corr.mode == "icepop":
+        rollout_is, threshold = "token", f"{corr.lower}_{corr.upper}"
+    elif corr.mode == "tis":
+        rollout_is, threshold = "token", float(corr.tis_cap)
+    elif corr.mode == "none":
+        rollout_is, threshold = None, 2.0
+    else:
+        raise VerlConfigError(f"algorithm.rollout_correction.mode must be icepop, tis or none, got {corr.mode!r}")
+    block = {"rollout_is": rollout_is, "rollout_is_threshold": threshold, "bypass_mode": corr.bypass}
+    out = {f"algorithm.rollout_correction.{k}": v for k, v in block.items()}
+    if corr.bypass:
+        # Bypass mode reads the actor's copy of the block (the V1 trainer does not copy it over).
+        out["actor_rollout_ref.actor.policy_loss.loss_mode"] = "bypass_mode"
+        out.update({f"++actor_rollout_ref.actor.policy_loss.rollout_correction.{k}": v for k, v in block.items()})
+    return out
+
+
+def _lora_settings(cfg: Any, mcfg: Any) -> dict[str, Any]:
+    if not cfg.lora.enabled:
+        raise VerlConfigError("engine=verl trains LoRA adapters; lora.enabled=false (full fine-tuning) is not "
+                              "supported by this recipe tree")
+    lcfg = _lora(cfg)
+    if lcfg.vit != "frozen" and lcfg.vit_lr_mult != 1.0:
+        raise VerlConfigError(f"LoRA preset {lcfg.preset!r} trains the ViT at {lcfg.vit_lr_mult}x the learning "
+                              "rate; veRL's Megatron optimizer has one learning rate, so per-module multipliers "
+                              "exist only on engine=local")
+    lora = {"type": "lora", "merge": cfg.lora.merge, "rank": lcfg.rank, "alpha": lcfg.alpha, "dropout": lcfg.dropout,
+            "target_modules": megatron_lora_targets(mcfg, lcfg), "exclude_modules": [],
+            "freeze_vision_model": lcfg.vit == "frozen", "freeze_vision_projection": lcfg.vit == "frozen",
+            "freeze_language_model": True, "dtype": None if lcfg.lora_dtype == "float32" else lcfg.lora_dtype}
+    out = {f"actor_rollout_ref.model.lora.{k}": v for k, v in lora.items()}
+    if lcfg.vit != "frozen":
+        out["++actor_rollout_ref.rollout.engine_kwargs.vllm.enable_tower_connector_lora"] = True
+    return out
+
+
+def compose_verl(overrides: list[str]) -> DictConfig:
+    """verl's own ppo_trainer composed with `overrides` (Hydra checks every key against verl's tree)."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module=VERL_CONFIG_MODULE, version_base=None):
+        return compose(config_name=VERL_PRIMARY, overrides=overrides)
+
+
+def validate_verl(config: DictConfig) -> dict[str, Any]:
+    """Run veRL's validators on a composed config -> the typed dataclass sections; raises VerlConfigError."""
+    from verl.trainer.config import AlgoConfig
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+    from verl.workers.config import HFModelConfig, McoreActorConfig, RolloutConfig
+
+    try:
+        validate_config(config=config, use_reference_policy=need_reference_policy(config),
+                        use_critic=need_critic(config))
+        typed = {
+            "actor": omega_conf_to_dataclass(config.actor_rollout_ref.actor),
+            "rollout": omega_conf_to_dataclass(config.actor_rollout_ref.rollout),
+            "algorithm": omega_conf_to_dataclass(config.algorithm),
+        }
+        # HFModelConfig.__post_init__ downloads/reads the checkpoint, so the model section is checked against
+        # the dataclass schema (keys and types) without instantiating it.
+        model_node = OmegaConf.to_container(config.actor_rollout_ref.model, resolve=True)
+        model_node.pop("_target_", None)
+        OmegaConf.merge(OmegaConf.structured(HFModelConfig), model_node)
+    except Exception as err:  # veRL raises AssertionError/ValueError/omegaconf errors alike
+        raise VerlConfigError(f"veRL rejected the composed config: {type(err).__name__}: {err}") from err
+    if not isinstance(typed["actor"], McoreActorConfig):
+        raise VerlConfigError(f"actor config is {type(typed['actor']).__name__}, expected McoreActorConfig")
+    if not isinstance(typed["rollout"], RolloutConfig) or not isinstance(typed["algorithm"], AlgoConfig):
+        raise VerlConfigError("rollout/algorithm sections did not build veRL's RolloutConfig/AlgoConfig")
+    return typed
+
+
+def build_verl_config(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str) -> DictConfig:
+    """Compose and validate the complete veRL config for a run."""
+    config = compose_verl(verl_overrides(cfg, data_dir=data_dir, output_dir=output_dir, reward_path=reward_path))
+    validate_verl(config)
+    return config
+
+
+__all__ = ["VerlConfigError", "build_verl_config", "compose_verl", "hydra_value", "megatron_lora_targets",
+           "validate_verl", "verl_overrides"]

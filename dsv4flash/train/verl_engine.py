@@ -1,0 +1,101 @@
+"""engine=verl: export the tasks, compose + validate veRL's config, write it with a launch script, launch.
+
+Launching calls `verl.trainer.main_ppo.run_ppo` with the validated config (Ray, the Megatron actor with the
+dsv4flash plugin imported through `actor_rollout_ref.model.external_lib`, vLLM rollout). `engine.launch=auto`
+launches only where CUDA GPUs are visible; on a CPU machine the run stops after validation and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from dsv4flash.train.verl_config import MODEL_PATH_UNSET, VerlConfigError, build_verl_config
+
+CONFIG_NAME = "verl_ppo_trainer"
+
+
+def _gpus_visible() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # a broken CUDA install counts as no GPU
+        return 0
+
+
+def write_config(config: DictConfig, output_dir: Path) -> tuple[Path, Path]:
+    """`<out>/verl_ppo_trainer.yaml` (the complete config) and `<out>/launch_verl.sh` (main_ppo on it)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path = output_dir / f"{CONFIG_NAME}.yaml"
+    tmp = path.with_name(f".{path.name}.tmp")
+    OmegaConf.save(config, tmp)
+    os.replace(tmp, path)
+    script = output_dir / "launch_verl.sh"
+    body = ("#!/usr/bin/env bash\n# Launch veRL GRPO with the validated config (run on the Ray head node).\nset -euo pipefail\n"
+            f"exec {shlex.quote(sys.executable)} -m verl.trainer.main_ppo --config-path {shlex.quote(str(output_dir))} "
+            f"--config-name {CONFIG_NAME} \"$@\"\n")
+    tmp = script.with_name(f".{script.name}.tmp")
+    tmp.write_text(body)
+    tmp.chmod(0o755)
+    os.replace(tmp, script)
+    return path, script
+
+
+def launch(config: DictConfig) -> None:
+    """Run veRL's PPO/GRPO driver in this process (Ray cluster from `ray_kwargs`), as `main_ppo.main` does."""
+    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    from verl.utils.device import auto_set_device
+
+    auto_set_device(config)
+    if config.trainer.use_v1:
+        run_ppo(config, task_runner_class=TaskRunnerV1)
+    else:
+        from verl.trainer.main_ppo_v0 import TaskRunner
+
+        run_ppo(config, task_runner_class=TaskRunner)
+
+
+def run_verl(cfg: Any, output_dir: str | Path, *, log=print) -> dict[str, Any]:
+    """Export data, build and validate the veRL config, write it, and launch when the cluster is there."""
+    from dsv4flash.tasks import TaskMixture, build_task
+    from dsv4flash.tasks.verl_export import REWARD_FUNCTION_FILE, export_parquet
+
+    eng = cfg.engine
+    if eng.launch not in ("auto", "never", "force"):
+        raise VerlConfigError(f"engine.launch must be auto, never or force, got {eng.launch!r}")
+    out = Path(output_dir).resolve()
+    data_dir = Path(eng.data_dir).resolve() if eng.data_dir else out / "verl_data"
+    tasks = {name: build_task(name, **dict(cfg.data.task_options.get(name, {}) or {})) for name in cfg.data.tasks}
+    mixture = TaskMixture(tasks, dict(cfg.data.tasks), cfg.seed, cfg.data.val_size)
+    files = export_parquet(mixture, data_dir, train_size=cfg.data.verl_train_size,
+                           task_options=dict(cfg.data.task_options))
+    log(f"exported {cfg.data.verl_train_size} training and {len(mixture.val)} validation rows to {data_dir}")
+    config = build_verl_config(cfg, data_dir=str(data_dir), output_dir=str(out), reward_path=str(REWARD_FUNCTION_FILE))
+    cfg_path, script = write_config(config, out)
+    log(f"veRL config validated by verl's own validator and written to {cfg_path}")
+    lora = config.actor_rollout_ref.model.lora
+    log(f"  GRPO n={config.actor_rollout_ref.rollout.n}, LoRA rank {lora.rank} alpha {lora.alpha} merge={lora.merge}, "
+        f"{len(lora.target_modules)} target patterns, router replay {config.actor_rollout_ref.actor.megatron.router_replay.mode}, "
+        f"rollout correction {config.algorithm.rollout_correction.rollout_is}/"
+        f"{config.algorithm.rollout_correction.rollout_is_threshold}")
+    result = {"config": str(cfg_path), "launch_script": str(script), "data": {k: str(v) for k, v in files.items()},
+              "launched": False}
+    gpus = _gpus_visible()
+    if eng.launch == "never" or (eng.launch == "auto" and gpus == 0):
+        why = "engine.launch=never" if eng.launch == "never" else "no CUDA GPU is visible on this machine"
+        log(f"not launching veRL ({why}). To launch: engine.launch=force here, or run {script} on the cluster.")
+        return result
+    if config.actor_rollout_ref.model.path == MODEL_PATH_UNSET:
+        raise VerlConfigError("launching veRL needs model.hf_path: the HF-format checkpoint veRL, Megatron-Bridge and "
+                              "vLLM load (e.g. model=flash model.hf_path=/data/DeepSeek-V4.1-Flash)")
+    log(f"launching verl.trainer.main_ppo on {config.trainer.nnodes}×{config.trainer.n_gpus_per_node} GPUs "
+        f"({gpus} visible here)")
+    launch(config)
+    result["launched"] = True
+    return result
