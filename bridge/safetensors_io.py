@@ -4,9 +4,10 @@ File layout: an 8-byte little-endian header length N, N bytes of JSON header, th
 tensor entry is ``{"dtype", "shape", "data_offsets": [begin, end]}`` relative to the data buffer; entries
 must tile the buffer exactly (no gap, no overlap, nothing after the last one). The reader checks all of that
 up front and names the file and tensor when something is off; it reads a tensor, or a range of its rows,
-with positioned reads, never the whole file. The writer writes tensor by tensor, row chunk by row chunk, to
-a hidden temp file in the target directory, renamed into place only once every byte has been written. Its
-headers match the `safetensors` library byte for byte (`library_order` gives that library's tensor order).
+with positioned reads, never the whole file. The writer fixes the header first, then takes tensors in any
+order, each row chunk by row chunk, into a hidden pre-sized temp file in the target directory that is
+renamed into place only once every byte has been written. Its headers match the `safetensors` library byte
+for byte (`library_order` gives that library's tensor order), or reproduce a given header verbatim.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ def _check_spec(where: str, name: str, dtype, shape) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _parse_header(path: Path, blob: bytes, data_start: int, file_size: int):
-    """Validate a header blob; return ({name: TensorInfo} in offset order, metadata dict)."""
+def _parse_header(path: Path, blob: bytes, data_start: int, file_size: int | None):
+    """Validate a header blob; return ({name: TensorInfo} in offset order, metadata dict). Offsets are
+    absolute (data_start added); with file_size None the data extent is not checked."""
     def no_duplicates(pairs):
         keys = [k for k, _ in pairs]
         if len(keys) != len(set(keys)):
@@ -138,10 +140,10 @@ def _parse_header(path: Path, blob: bytes, data_start: int, file_size: int):
             what = "overlaps the previous tensor" if info.start < cursor else f"leaves a gap of {info.start - cursor} bytes"
             raise SafetensorsError(f"{path}: tensor {info.name!r} at data offset {info.start - data_start} {what}")
         cursor = info.stop
-    if cursor > file_size:
+    if file_size is not None and cursor > file_size:
         last = entries[-1].name
         raise SafetensorsError(f"{path}: truncated: tensor {last!r} ends at byte {cursor} of a {file_size}-byte file")
-    if cursor < file_size:
+    if file_size is not None and cursor < file_size:
         raise SafetensorsError(f"{path}: {file_size - cursor} bytes after the last tensor (header and data disagree)")
     return {i.name: i for i in entries}, metadata
 
@@ -234,34 +236,54 @@ class SafetensorsReader:
 
 
 class SafetensorsWriter:
-    """Writes one safetensors file from a fixed list of specs, tensor by tensor and row chunk by row chunk.
+    """Writes one safetensors file whose header is fixed up front, row chunk by row chunk.
 
-    Use as a context manager: on a clean exit the temp file is fsynced and renamed to `path`; on an
-    exception, or if a tensor is incomplete, the temp file is removed and `path` is left untouched.
+    Tensors may be written in any order (positioned writes into a pre-sized file); the rows of one tensor
+    arrive in order. Use as a context manager: on a clean exit every tensor must be complete, then the
+    temp file is fsynced and renamed to `path`; on an exception or an incomplete tensor the temp file is
+    removed and `path` is left untouched.
     """
 
     def __init__(self, path: str | os.PathLike, specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None):
         self.path = Path(path)
-        self.specs = list(specs)
         header: dict = {}
         if metadata is not None:
             if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
                 raise SafetensorsError(f"{self.path}: metadata must map strings to strings")
             header["__metadata__"] = dict(metadata)
-        offset = 0
-        for spec in self.specs:
+        offset, infos = 0, []
+        for spec in specs:
             shape = _check_spec(str(self.path), spec.name, spec.dtype, list(spec.shape))
             if spec.name in header:
                 raise SafetensorsError(f"{self.path}: tensor name {spec.name!r} is reserved or given twice")
             header[spec.name] = {"dtype": spec.dtype, "shape": list(shape), "data_offsets": [offset, offset + spec.nbytes]}
+            infos.append(TensorInfo(spec.name, spec.dtype, shape, offset, offset + spec.nbytes))
             offset += spec.nbytes
         blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        blob += b" " * (-len(blob) % 8)
+        self._open(blob + b" " * (-len(blob) % 8), infos)
+
+    @classmethod
+    def from_header(cls, path: str | os.PathLike, blob: bytes) -> "SafetensorsWriter":
+        """A writer that reproduces a given header blob verbatim (e.g. a release shard's, for bit-exact export)."""
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        infos, _ = _parse_header(self.path, blob, 8 + len(blob), None)
+        self._open(blob, [TensorInfo(i.name, i.dtype, i.shape, i.start - 8 - len(blob), i.stop - 8 - len(blob))
+                          for i in infos.values()])
+        return self
+
+    def _open(self, blob: bytes, infos: list[TensorInfo]) -> None:
+        """Create the pre-sized temp file with the header; `infos` carry data-relative offsets."""
+        self.specs = [TensorSpec(i.name, i.dtype, i.shape) for i in infos]
+        self._start = {i.name: 8 + len(blob) + i.start for i in infos}
+        self._spec = dict(zip(self._start, self.specs))
+        self._rows = {i.name: 0 for i in infos}
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.partial")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self._tmp, "wb")
         self._file.write(len(blob).to_bytes(8, "little") + blob)
-        self._index, self._rows = 0, 0
+        self._file.truncate(8 + len(blob) + sum(s.nbytes for s in self.specs))
+        self._file.flush()
 
     def __enter__(self) -> "SafetensorsWriter":
         return self
@@ -273,40 +295,41 @@ class SafetensorsWriter:
             self.abort()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write a whole tensor (the next one in spec order)."""
-        spec = self._current(name)
+        """Write a whole tensor."""
+        spec = self._lookup(name)
         if tuple(tensor.shape) != tuple(spec.shape):
             raise SafetensorsError(f"{self.path}: tensor {name!r} has shape {tuple(tensor.shape)}, spec says {spec.shape}")
-        if not spec.shape:
-            tensor = tensor.reshape(1)
-        self.write_rows(name, tensor)
+        self.write_rows(name, tensor.reshape(1) if not spec.shape else tensor)
 
     def write_rows(self, name: str, rows: torch.Tensor) -> None:
-        """Append rows (along dim 0) of the current tensor; rows must continue where the last chunk stopped."""
-        spec = self._current(name)
+        """Write the next rows (along dim 0) of a tensor, continuing where its last chunk stopped."""
+        spec = self._lookup(name)
         if DTYPES[spec.dtype] != rows.dtype:
             raise SafetensorsError(f"{self.path}: tensor {name!r} is {spec.dtype}, got a {rows.dtype} chunk")
-        total = spec.shape[0] if spec.shape else 1
-        inner = tuple(spec.shape[1:])
-        if tuple(rows.shape[1:]) != inner or self._rows + rows.shape[0] > total:
+        done, total = self._rows[name], (spec.shape[0] if spec.shape else 1)
+        if tuple(rows.shape[1:]) != tuple(spec.shape[1:]) or done + rows.shape[0] > total:
             raise SafetensorsError(f"{self.path}: chunk {tuple(rows.shape)} does not fit tensor {name!r} {spec.shape} "
-                                   f"after {self._rows} rows")
-        data = rows.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
-        self._rows += rows.shape[0]
-        if self._rows == total:
-            self._index, self._rows = self._index + 1, 0
+                                   f"after {done} rows")
+        data = memoryview(rows.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+        offset, written = self._start[name] + done * spec.row_bytes, 0
+        while written < len(data):
+            written += os.pwrite(self._file.fileno(), data[written:], offset + written)
+        self._rows[name] = done + rows.shape[0]
+
+    def missing(self) -> list[str]:
+        """Tensors not yet complete."""
+        return [s.name for s in self.specs if self._rows[s.name] < (s.shape[0] if s.shape else 1)]
 
     def close(self) -> None:
         """Finish: every tensor must be complete; fsync, rename into place, fsync the directory."""
         if self._file.closed:
             return
-        if self._index < len(self.specs):
-            spec = self.specs[self._index]
+        missing = self.missing()
+        if missing:
+            spec = self._spec[missing[0]]
             self.abort()
-            raise SafetensorsError(f"{self.path}: incomplete, tensor {spec.name!r} has {self._rows} of "
+            raise SafetensorsError(f"{self.path}: incomplete, tensor {spec.name!r} has {self._rows[spec.name]} of "
                                    f"{spec.shape[0] if spec.shape else 1} rows written; nothing was saved")
-        self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
         os.replace(self._tmp, self.path)
@@ -318,12 +341,11 @@ class SafetensorsWriter:
             self._file.close()
         self._tmp.unlink(missing_ok=True)
 
-    def _current(self, name: str) -> TensorSpec:
-        """The spec that must be written next; it must be `name`."""
-        if self._index >= len(self.specs) or self.specs[self._index].name != name:
-            expected = self.specs[self._index].name if self._index < len(self.specs) else "nothing (all written)"
-            raise SafetensorsError(f"{self.path}: got tensor {name!r}, expected {expected!r} next")
-        return self.specs[self._index]
+    def _lookup(self, name: str) -> TensorSpec:
+        """The spec of a tensor of this file."""
+        if name not in self._spec:
+            raise SafetensorsError(f"{self.path}: no tensor {name!r} in this file's header")
+        return self._spec[name]
 
 
 def fsync_dir(directory: Path) -> None:

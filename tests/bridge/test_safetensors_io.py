@@ -168,7 +168,10 @@ def test_writer_failures_leave_nothing_behind(tmp_path):
             raise RuntimeError("boom")
     assert no_files_left(target.parent)
     for bad, message in [
-        (lambda w: w.write("b", torch.zeros(3, dtype=torch.bfloat16)), "got tensor 'b', expected 'a' next"),
+        (lambda w: w.write("c", torch.zeros(3, dtype=torch.bfloat16)), "no tensor 'c' in this file's header"),
+        (lambda w: w.write("b", torch.zeros(3, dtype=torch.bfloat16)), "incomplete, tensor 'a' has 0 of 4 rows"),
+        (lambda w: (w.write("b", torch.zeros(3, dtype=torch.bfloat16)), w.write_rows("b", torch.zeros(1, dtype=torch.bfloat16))),
+         r"chunk \(1,\) does not fit tensor 'b' \(3,\) after 3 rows"),
         (lambda w: w.write_rows("a", torch.zeros(5, 2)), r"chunk \(5, 2\) does not fit tensor 'a'"),
         (lambda w: w.write_rows("a", torch.zeros(1, 3)), r"chunk \(1, 3\) does not fit"),
         (lambda w: w.write("a", torch.zeros(4, 2, dtype=torch.float64)), "'a' is F32, got a torch.float64 chunk"),
@@ -190,6 +193,25 @@ def test_existing_file_is_replaced_only_on_success(tmp_path):
     assert target.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["f.safetensors"]
     io.save_file({"x": torch.zeros(3)}, target)
     assert torch.equal(io.load_file(target)["x"], torch.zeros(3))
+
+
+def test_any_tensor_order_and_verbatim_headers(tmp_path):
+    tensors = {"a": torch.arange(12, dtype=torch.float32).reshape(4, 3), "b": torch.ones(5, dtype=torch.bfloat16),
+               "c": torch.tensor(7, dtype=torch.int64)}
+    odd = b'{"b":{"dtype":"BF16","shape":[5],"data_offsets":[0,10]},  "a":{"dtype":"F32","shape":[4,3],' \
+          b'"data_offsets":[10,58]},"c":{"dtype":"I64","shape":[],"data_offsets":[58,66]}}'
+    target = tmp_path / "f.safetensors"
+    with SafetensorsWriter.from_header(target, odd) as w:
+        assert [s.name for s in w.specs] == ["b", "a", "c"]
+        w.write("c", tensors["c"])
+        w.write_rows("a", tensors["a"][:1])
+        w.write("b", tensors["b"])
+        w.write_rows("a", tensors["a"][1:])
+    data = target.read_bytes()
+    assert data[8:8 + len(odd)] == odd  # the header is reproduced byte for byte, odd spacing included
+    assert bitwise_equal(safetensors.torch.load_file(target), tensors)
+    with pytest.raises(SafetensorsError, match="'a' at data offset 12 leaves a gap"):
+        SafetensorsWriter.from_header(target, odd.replace(b"[10,58]", b"[12,60]"))
 
 
 def test_bad_specs_are_rejected(tmp_path):
