@@ -1,0 +1,66 @@
+"""Shared pieces of the CSA2 Megatron tests: the reference oracle, builders and gradient comparison."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+VOCAB = 512
+
+
+def reference(seed: int = 0):
+    """The tiny reference model (fp32) — the parity oracle."""
+    from dsv4flash.model.transformer import Transformer
+
+    return Transformer("tiny", seed=seed)
+
+
+def megatron_from(ref, **provider_kwargs: Any):
+    """A `DSV41MegatronModel` built by the provider and loaded with the reference weights (train mode)."""
+    from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider, load_reference_state
+
+    model = DSV41ModelProvider(ref.cfg, **provider_kwargs).provide()
+    load_reference_state(model, ref.state_dict())
+    return model.train()
+
+
+def token_ids(batch: int, seq: int, seed: int) -> torch.Tensor:
+    """Random token ids [batch, seq]."""
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def probe(shape, seed: int) -> torch.Tensor:
+    """A fixed random cotangent: loss = Σ logits · probe touches every logit with a distinct weight."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def grad_pairs(ref, model) -> Iterator[tuple[str, torch.Tensor | None, torch.Tensor | None]]:
+    """(Megatron name, reference grad in Megatron layout, Megatron grad) for every mapped parameter."""
+    from dsv4flash.integrations.mcore.csa2 import name_map
+
+    ref_params = dict(ref.named_parameters())
+    params = dict(model.named_parameters())
+    for pair in name_map(ref.cfg):
+        if pair.megatron not in params:  # buffers (router expert biases)
+            continue
+        grads = [ref_params[name].grad for name in pair.reference]
+        ref_grad = None if any(g is None for g in grads) else torch.cat(grads) if len(grads) > 1 else grads[0]
+        yield pair.megatron, ref_grad, params[pair.megatron].grad
+
+
+def assert_grads_match(ref, model, rel: float = 2e-4, reduce=None) -> int:
+    """Every Megatron grad equals the reference's within `rel`·max|g| (None only where the reference has None)."""
+    checked = 0
+    for name, expected, got in grad_pairs(ref, model):
+        if got is not None and reduce is not None:
+            got = reduce(got.clone())
+        if expected is None:
+            assert got is None or not bool(got.any()), f"{name}: the reference has no gradient, Megatron has one"
+            continue
+        assert got is not None, f"{name}: no Megatron gradient"
+        scale = float(expected.abs().max())
+        err = float((got - expected).abs().max())
+        assert err <= rel * scale + 1e-7, f"{name}: max |Δgrad| {err:.3g} vs max |grad| {scale:.3g}"
+        checked += 1
+    return checked
