@@ -1,0 +1,388 @@
+"""The on-disk patch series: `patches/<upstream>/base.txt` and `NNNN-<slug>.patch` files with git trailers.
+
+The trailers are the source of truth (style.md §8). This module parses them and validates everything that
+can be checked without fetching the upstream release: required keys, vocabularies, dependency order,
+Remove-When syntax, test files, and agreement with the runtime twin of the same Patch-Id.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from dsv4flash.patchseries import predicate
+
+UPSTREAM_FOLDERS = ("megatron-lm", "megatron-bridge", "vllm", "verl")
+REQUIRED_TRAILERS = (
+    "Patch-Id", "Target", "Base", "Touches", "Upstream-Status", "Forwarded", "Runtime-Equivalent",
+    "Gate", "Depends-On", "Remove-When", "Tests", "Last-Update",
+)
+LIST_TRAILERS = ("Touches", "Tests", "Depends-On")
+PATCH_ID_RE = re.compile(r"^[A-Z][A-Z0-9]*(-[A-Z0-9]+)+$")
+STATUS_RE = re.compile(
+    r"^(?P<word>Pending|Backport|Accepted|Inactive-Upstream|Submitted|Denied|Inappropriate)(\s+\[(?P<note>[^\]]+)\])?$"
+)
+STATUS_NEEDS_NOTE = ("Submitted", "Accepted", "Denied", "Inappropriate")
+FORWARDED_RE = re.compile(r"^(no|not-needed|https?://\S+)$")
+PATCH_NAME_RE = re.compile(r"^(?P<num>\d{4})-[a-z0-9][a-z0-9._-]*\.patch$")
+TRAILER_LINE_RE = re.compile(r"^(?P<key>[A-Za-z0-9][A-Za-z0-9-]*):\s*(?P<value>.*)$")
+
+
+class SeriesError(ValueError):
+    """A patch folder that cannot be read at all (bad base.txt, unparseable patch file)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding of a check: `where` is a file (or Patch-Id), `message` says what is wrong and expected."""
+
+    where: str
+    message: str
+    severity: str = "error"
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.where}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Base:
+    """`base.txt`: the pinned upstream release a folder's patches are made against."""
+
+    folder: str
+    path: Path
+    target: str
+    distribution: str
+    version: str
+    artifact: str
+    sha256: str
+    packages: tuple[str, ...]
+    repo_prefix: str = ""
+    git: str = ""
+
+    @property
+    def is_wheel(self) -> bool:
+        """Whether the pinned artifact is a wheel (else an sdist with one top-level folder)."""
+        return self.artifact.endswith(".whl")
+
+    @property
+    def label(self) -> str:
+        """`distribution version`, the prefix every `Base:` trailer of this folder starts with."""
+        return f"{self.distribution} {self.version}"
+
+
+def load_base(folder: Path) -> Base:
+    """Parse `folder/base.txt` (TOML), naming the file and key on any error."""
+    path = folder / "base.txt"
+    if not path.is_file():
+        raise SeriesError(f"{path}: missing; every patch folder pins its upstream release there")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise SeriesError(f"{path}: not valid TOML ({exc})") from exc
+    required = ("target", "distribution", "version", "artifact", "sha256", "packages")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise SeriesError(f"{path}: missing key(s) {', '.join(missing)}; expected {', '.join(required)}")
+    if not re.fullmatch(r"[0-9a-f]{64}", str(data["sha256"])):
+        raise SeriesError(f"{path}: sha256 must be 64 lowercase hex digits, got {data['sha256']!r}")
+    if not isinstance(data["packages"], list) or not data["packages"]:
+        raise SeriesError(f"{path}: packages must be a non-empty list of package paths inside the artifact")
+    Version(str(data["version"]))
+    prefix = str(data.get("repo_prefix", ""))
+    if prefix and not prefix.endswith("/"):
+        raise SeriesError(f"{path}: repo_prefix must end with '/', got {prefix!r}")
+    return Base(
+        folder=folder.name, path=path, target=str(data["target"]), distribution=str(data["distribution"]),
+        version=str(data["version"]), artifact=str(data["artifact"]), sha256=str(data["sha256"]),
+        packages=tuple(str(p).strip("/") for p in data["packages"]), repo_prefix=prefix,
+        git=str(data.get("git", "")),
+    )
+
+
+@dataclass
+class PatchFile:
+    """One `git format-patch` file: headers, message, trailers and the diff."""
+
+    path: Path
+    folder: str
+    subject: str
+    author: str
+    date: str
+    message: str
+    trailers: dict[str, list[str]]
+    files: tuple[str, ...]
+    diff: str
+    parse_problems: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        """File name, e.g. `0001-fix-moe-....patch`."""
+        return self.path.name
+
+    def one(self, key: str) -> str:
+        """The single value of a trailer ('' if absent)."""
+        values = self.trailers.get(key, [])
+        return values[0] if values else ""
+
+    def many(self, key: str) -> tuple[str, ...]:
+        """A list trailer: repeated keys and comma-separated values, with `none` meaning empty."""
+        items: list[str] = []
+        for value in self.trailers.get(key, []):
+            items += [v.strip() for v in value.split(",") if v.strip()]
+        return tuple(i for i in items if i.lower() != "none")
+
+    @property
+    def patch_id(self) -> str:
+        """The stable Patch-Id (or the file name when the trailer is missing)."""
+        return self.one("Patch-Id") or self.name
+
+    @property
+    def depends_on(self) -> tuple[str, ...]:
+        """Patch-Ids that must be applied first."""
+        return self.many("Depends-On")
+
+
+def _unfold(value: str) -> str:
+    """RFC 2822 header unfolding."""
+    return re.sub(r"\r?\n[ \t]+", " ", value).strip()
+
+
+def _parse_trailers(message: str) -> tuple[dict[str, list[str]], list[str]]:
+    """Trailers = the last paragraph of the message if every line is `Key: value` or a continuation."""
+    paragraphs = [p for p in re.split(r"\n\s*\n", message.strip()) if p.strip()]
+    if not paragraphs:
+        return {}, ["commit message is empty"]
+    trailers: dict[str, list[str]] = {}
+    last_key = None
+    for line in paragraphs[-1].splitlines():
+        match = TRAILER_LINE_RE.match(line)
+        if match:
+            last_key = match.group("key")
+            trailers.setdefault(last_key, []).append(match.group("value").strip())
+        elif line[:1] in (" ", "\t") and last_key is not None:
+            trailers[last_key][-1] = f"{trailers[last_key][-1]} {line.strip()}".strip()
+        else:
+            return {}, [f"the last paragraph of the message is not a trailer block (line {line!r})"]
+    return trailers, []
+
+
+def parse_patch(path: Path) -> PatchFile:
+    """Parse a format-patch file; structural problems are kept in `parse_problems`, not raised."""
+    text = path.read_text()
+    problems: list[str] = []
+    lines = text.split("\n")
+    if not lines[0].startswith("From "):
+        problems.append("not a git format-patch file (first line must be 'From <sha> ...')")
+    headers: dict[str, str] = {}
+    i, last = 1, None
+    while i < len(lines) and lines[i] != "":
+        if lines[i][:1] in (" ", "\t") and last:
+            headers[last] += "\n" + lines[i]
+        elif ":" in lines[i]:
+            name, _, value = lines[i].partition(":")
+            last = name.strip().lower()
+            headers[last] = value.strip()
+        i += 1
+    try:
+        sep = lines.index("---", i)
+    except ValueError:
+        sep = len(lines)
+        problems.append("no '---' line separating the message from the diff")
+    message = "\n".join(lines[i + 1 : sep])
+    diff = "\n".join(lines[sep + 1 :])
+    trailers, trailer_problems = _parse_trailers(message)
+    problems += trailer_problems
+    subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", _unfold(headers.get("subject", "")))
+    if not subject:
+        problems.append("no Subject header")
+    files: list[str] = []
+    for line in diff.splitlines():
+        match = re.match(r"^(?:---|\+\+\+) (?:a|b)/(.+)$", line)
+        if match and match.group(1) not in files:
+            files.append(match.group(1))
+    if not files:
+        problems.append("the diff touches no files")
+    return PatchFile(
+        path=path, folder=path.parent.name, subject=subject, author=_unfold(headers.get("from", "")),
+        date=_unfold(headers.get("date", "")), message=message, trailers=trailers, files=tuple(files),
+        diff=diff, parse_problems=problems,
+    )
+
+
+@dataclass
+class Series:
+    """One upstream folder: its base and its patches in application order (file-name order)."""
+
+    folder: str
+    base: Base
+    patches: list[PatchFile]
+
+    def by_id(self) -> dict[str, PatchFile]:
+        """Patch-Id -> PatchFile."""
+        return {p.patch_id: p for p in self.patches}
+
+    def closure(self, patch: PatchFile) -> list[PatchFile]:
+        """`patch` preceded by its transitive Depends-On, in series order."""
+        by_id, wanted, stack = self.by_id(), set(), [patch.patch_id]
+        while stack:
+            pid = stack.pop()
+            if pid in wanted or pid not in by_id:
+                continue
+            wanted.add(pid)
+            stack.extend(by_id[pid].depends_on)
+        return [p for p in self.patches if p.patch_id in wanted]
+
+
+def load_series(patches_dir: Path) -> dict[str, Series]:
+    """Every upstream folder under `patches_dir` that has a base.txt, in UPSTREAM_FOLDERS order."""
+    out: dict[str, Series] = {}
+    folders = sorted(d for d in patches_dir.iterdir() if d.is_dir()) if patches_dir.is_dir() else []
+    folders.sort(key=lambda d: (UPSTREAM_FOLDERS.index(d.name) if d.name in UPSTREAM_FOLDERS else 99, d.name))
+    for folder in folders:
+        if not (folder / "base.txt").exists() and not list(folder.glob("*.patch")):
+            continue
+        base = load_base(folder)
+        patches = [parse_patch(p) for p in sorted(folder.glob("*.patch"))]
+        out[folder.name] = Series(folder.name, base, patches)
+    return out
+
+
+def validate(
+    series_map: dict[str, Series], project_root: Path, required_folders: tuple[str, ...] = UPSTREAM_FOLDERS
+) -> list[Problem]:
+    """Every metadata problem findable without the upstream source; empty list means clean."""
+    problems: list[Problem] = []
+    seen_ids: dict[str, str] = {}
+    for name in required_folders:
+        if name not in series_map:
+            problems.append(Problem(f"patches/{name}", "folder or its base.txt is missing"))
+    for series in series_map.values():
+        for index, patch in enumerate(series.patches):
+            problems += _validate_patch(series, index, patch, project_root)
+            where = f"{series.folder}/{patch.name}"
+            if patch.patch_id in seen_ids:
+                problems.append(Problem(where, f"Patch-Id {patch.patch_id} also used by {seen_ids[patch.patch_id]}"))
+            seen_ids[patch.patch_id] = where
+    return problems
+
+
+def _validate_patch(series: Series, index: int, patch: PatchFile, root: Path) -> list[Problem]:
+    """Trailer-level validation of one patch (see module docstring)."""
+    where = f"{series.folder}/{patch.name}"
+    out = [Problem(where, msg) for msg in patch.parse_problems]
+    if not PATCH_NAME_RE.match(patch.name):
+        out.append(Problem(where, "file name must be NNNN-<lowercase-slug>.patch (git format-patch naming)"))
+    missing = [k for k in REQUIRED_TRAILERS if not patch.one(k)]
+    if missing:
+        out.append(Problem(where, f"missing required trailer(s): {', '.join(missing)}"))
+    for key, values in patch.trailers.items():
+        if key in REQUIRED_TRAILERS and key not in LIST_TRAILERS and len(values) > 1:
+            out.append(Problem(where, f"trailer {key} appears {len(values)} times; it takes one value"))
+    pid = patch.one("Patch-Id")
+    if pid and not PATCH_ID_RE.match(pid):
+        out.append(Problem(where, f"Patch-Id {pid!r} must look like DSV41-MCORE-001 (upper-case, dash-separated)"))
+    if patch.one("Target") and patch.one("Target") != series.base.target:
+        out.append(Problem(where, f"Target {patch.one('Target')!r} differs from base.txt target {series.base.target!r}"))
+    if patch.one("Base") and not patch.one("Base").startswith(series.base.label):
+        out.append(Problem(where, f"Base {patch.one('Base')!r} must start with {series.base.label!r} (base.txt)"))
+    status = patch.one("Upstream-Status")
+    match = STATUS_RE.match(status) if status else None
+    if status and not match:
+        out.append(Problem(where, f"Upstream-Status {status!r} is not one of Pending | Submitted [url] | "
+                                  "Accepted [version] | Backport [url] | Denied [reason] | Inappropriate [reason]"))
+    elif match and match.group("word") in STATUS_NEEDS_NOTE and not match.group("note"):
+        out.append(Problem(where, f"Upstream-Status {match.group('word')} needs a [where/why] note"))
+    if patch.one("Forwarded") and not FORWARDED_RE.match(patch.one("Forwarded")):
+        out.append(Problem(where, f"Forwarded {patch.one('Forwarded')!r} must be no, not-needed or a URL"))
+    if patch.one("Remove-When"):
+        try:
+            predicate.parse(patch.one("Remove-When"))
+        except predicate.PredicateError as exc:
+            out.append(Problem(where, str(exc)))
+    if patch.one("Last-Update"):
+        try:
+            dt.date.fromisoformat(patch.one("Last-Update"))
+        except ValueError:
+            out.append(Problem(where, f"Last-Update {patch.one('Last-Update')!r} must be YYYY-MM-DD"))
+    earlier = {p.patch_id for p in series.patches[:index]}
+    for dep in patch.depends_on:
+        if dep not in earlier:
+            out.append(Problem(where, f"Depends-On {dep} is not an earlier patch of {series.folder}"))
+    if "Tests" in patch.trailers and not patch.many("Tests"):
+        out.append(Problem(where, "Tests names no test file; every patch needs tests"))
+    for test in patch.many("Tests"):
+        if not (root / test.split("::")[0]).is_file():
+            out.append(Problem(where, f"Tests file {test} does not exist under {root}"))
+    for sym in patch.many("Touches"):
+        if _touched_file(sym, patch.files, series.base.repo_prefix) is None:
+            out.append(Problem(where, f"Touches {sym} is not in any file the diff changes ({', '.join(patch.files)})"))
+    return out
+
+
+def _touched_file(symbol: str, files: tuple[str, ...], prefix: str) -> str | None:
+    """The diff file that defines the module part of a dotted `symbol`, if any."""
+    parts = symbol.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = "/".join(parts[:cut])
+        for candidate in (f"{prefix}{module}.py", f"{prefix}{module}/__init__.py"):
+            if candidate in files:
+                return candidate
+    return None
+
+
+def twin_problems(series_map: dict[str, Series], registry) -> list[Problem]:
+    """Both forms must exist and agree: every patch has a registered twin with matching metadata, and back."""
+    out: list[Problem] = []
+    patch_ids = set()
+    for series in series_map.values():
+        for patch in series.patches:
+            patch_ids.add(patch.patch_id)
+            out += _twin_agrees(series, patch, registry)
+    for twin in registry.all():
+        if twin.meta.patch_id not in patch_ids:
+            out.append(Problem(twin.meta.module, f"runtime twin {twin.meta.patch_id} has no format-patch in patches/"))
+    return out
+
+
+def _twin_agrees(series: Series, patch: PatchFile, registry) -> list[Problem]:
+    """Compare one patch's trailers with its runtime twin's metadata."""
+    where = f"{series.folder}/{patch.name}"
+    module = patch.one("Runtime-Equivalent")
+    if not module or module.lower().startswith("none"):
+        return [Problem(where, "Runtime-Equivalent names no runtime twin; both forms are required")]
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return [Problem(where, f"Runtime-Equivalent {module} cannot be imported ({exc})")]
+    if patch.patch_id not in registry:
+        return [Problem(where, f"{module} does not register a runtime twin for {patch.patch_id}")]
+    meta = registry.get(patch.patch_id).meta
+    out = []
+    if meta.module != module:
+        out.append(Problem(where, f"{patch.patch_id} is registered by {meta.module}, not {module}"))
+    pairs = {
+        "Target": (patch.one("Target"), meta.target),
+        "Upstream-Status": (patch.one("Upstream-Status"), meta.upstream_status),
+        "Forwarded": (patch.one("Forwarded"), meta.forwarded),
+        "Remove-When": (patch.one("Remove-When"), meta.remove_when),
+        "Gate": (patch.one("Gate").split()[0] if patch.one("Gate") else "", meta.gate),
+        "Touches": (sorted(patch.many("Touches")), sorted(meta.touches)),
+        "Tests": (sorted(patch.many("Tests")), sorted(meta.tests)),
+        "Depends-On": (sorted(patch.depends_on), sorted(meta.depends_on)),
+    }
+    for key, (trailer, twin) in pairs.items():
+        if trailer != twin:
+            out.append(Problem(where, f"{key} differs between the patch ({trailer!r}) and the twin {module} ({twin!r})"))
+    if meta.distribution != series.base.distribution:
+        out.append(Problem(where, f"twin patches {meta.distribution}, base.txt pins {series.base.distribution}"))
+    elif not SpecifierSet(meta.versions).contains(Version(series.base.version), prereleases=True):
+        out.append(Problem(where, f"twin range {meta.versions} excludes the pinned {series.base.label}"))
+    return out
