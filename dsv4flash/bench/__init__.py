@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, str] = {
     "codecs": "checkpoint codec decode/encode bandwidth vs memcpy and a naive decode; convert peak RSS",
     "adapters": "packed vs per-expert MoE LoRA load, catalog register/lookup at 1e6, cold-load staircase",
     "model": "tiny reference model forward+backward step time",
+    "engram": "host-pinned Engram row gather (dedup, id copy, gather, expand) vs same-size memcpy, MET/MISS at 50%",
 }
 
 __all__ = ["BENCHMARKS", "BenchReport", "Figure"]

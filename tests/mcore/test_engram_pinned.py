@@ -109,10 +109,12 @@ def test_state_dict_roundtrip_keeps_the_host_tensor(tiny_cfg):
 def test_gather_moves_each_distinct_row_once(tiny_cfg):
     _, pinned = reference_and_pinned(tiny_cfg, seed=4)
     ids = torch.tensor([[3, 7, 3], [629, 7, 0]])
-    got = pinned.lookup_rows(ids)
-    assert torch.equal(got, F.embedding(ids, pinned.table.weight))
+    want = F.embedding(ids, pinned.table.weight)
+    assert torch.equal(pinned.lookup_rows(ids), want)  # distinct ids to the host, expanded on the device
     stats = pinned.table.stats
     assert (stats.requested, stats.unique, stats.bytes_moved) == (6, 4, 4 * 64 * 4)
+    assert torch.equal(pinned.table.gather(ids, dedup=False), want)  # every id on its own
+    assert (pinned.table.stats.requested, pinned.table.stats.unique) == (6, 6)
     with pytest.raises(ValueError, match=r"Engram layer 4 table: row ids must lie in \[0, 630\), got range \[0, 630\]"):
         pinned.lookup_rows(torch.tensor([0, 630]))
     with pytest.raises(ValueError, match="int32/int64"):
@@ -134,6 +136,11 @@ def test_fp8_table_dequantizes_on_the_device_side(tiny_cfg):
         ref.embed.weight.copy_(manual)  # the reference on the dequantized table
     x, rows, mask = engram_batch(tiny_cfg, seed=6)
     assert torch.equal(fp8(x, rows, mask), ref(x, rows, mask))
+    for dedup in (False, True):
+        got_values, got_scale = fp8.table.gather_stored(rows, dedup=dedup)
+        assert torch.equal(got_values.view(torch.uint8), values[rows].view(torch.uint8))
+        assert torch.equal(got_scale, scale[rows])
+        assert torch.equal(fp8.table.gather(rows, torch.float32, dedup=dedup), manual[rows])
 
 
 def test_megatron_constructor_and_spec_slot(tiny_cfg):
@@ -165,8 +172,10 @@ def dense_sgd_reference(cfg, state, batches, lr: float) -> torch.Tensor:
     return ref.embed.weight.detach() - lr * torch.stack(grads).mean(0)
 
 
-def test_sparse_row_sgd_equals_dense_sgd(tiny_cfg):
+@pytest.mark.parametrize("dedup", [False, True])
+def test_sparse_row_sgd_equals_dense_sgd(tiny_cfg, dedup):
     ref, pinned = reference_and_pinned(tiny_cfg, seed=7, trainable_table=True)
+    pinned.table.dedup = dedup
     state = {k: v.clone() for k, v in ref.state_dict().items()}
     batch = engram_batch(tiny_cfg, seed=8)
     want = dense_sgd_reference(tiny_cfg, state, [batch], lr=0.5)
@@ -279,3 +288,39 @@ def _ddp_rank(rank: int, world_size: int, flavour: str) -> None:
 
 def test_ddp_distributed_optimizer_leave_the_table_alone():
     gloo_spawn.spawn_gloo(_ddp_rank, 2, "tiny")
+
+
+# ---- CUDA: pinned table, staged chunked copies (skipped without a GPU) -------------------------------
+@pytest.mark.gpu
+def test_cuda_gather_through_pinned_staging(tiny_cfg):
+    gen = torch.Generator().manual_seed(11)
+    table = HostTable(torch.randn(20000, 64, generator=gen))
+    assert table.pinned and table.weight.is_pinned()
+    for shape in [(4, 512, 6), (2, 9000, 6), (3, 7, 6)]:  # grow past one chunk, then shrink: staging reuse
+        ids = torch.randint(0, 20000, shape, generator=gen)
+        got = table.gather(ids.cuda())
+        assert got.device.type == "cuda"
+        assert torch.equal(got.cpu(), F.embedding(ids, table.weight))
+        assert table.stats.unique == torch.unique(ids).numel()
+    values, scale = quantize_rows_e8m0(torch.randn(5000, 64, generator=gen))
+    fp8 = HostTable(values, scale)
+    ids = torch.randint(0, 5000, (3, 100, 6), generator=gen)
+    got_values, got_scale = fp8.gather_stored(ids.cuda())
+    assert torch.equal(got_values.cpu().view(torch.uint8), values[ids].view(torch.uint8))
+    assert torch.equal(got_scale.cpu(), scale[ids])
+    torch.testing.assert_close(fp8.gather(ids.cuda(), torch.float32).cpu(),
+                               dequantize_rows_e8m0(values[ids], scale[ids], torch.float32), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_module_keeps_its_table_on_the_host(tiny_cfg):
+    ref, pinned = reference_and_pinned(tiny_cfg, seed=12, trainable_table=True)
+    table = pinned.table.weight
+    pinned.cuda()
+    assert pinned.wkv.weight.is_cuda and pinned.table.weight is table and table.device.type == "cpu"
+    x, rows, mask = engram_batch(tiny_cfg, seed=13)
+    out = pinned(x.cuda(), rows.cuda(), mask.cuda())
+    torch.testing.assert_close(out.cpu(), ref(x, rows, mask), rtol=1e-5, atol=1e-5)
+    out.square().mean().backward()
+    ids, grads = pinned.table.pop_row_grads()
+    assert grads.device.type == "cpu" and torch.equal(ids, torch.unique(rows))

@@ -332,6 +332,43 @@ def test_spec_without_moe_is_rejected(mp1):
         with_modality_routing(get_gpt_layer_local_spec())
 
 
+@contextlib.contextmanager
+def real_cuda_model_parallel():
+    """Model-parallel state on a real GPU: gloo world of one, no CUDA redirect."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe import moe_logging
+
+    with parallel.gloo_group():
+        parallel_state.initialize_model_parallel()
+        try:
+            model_parallel_cuda_manual_seed(7)
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            moe_logging.set_moe_metrics_tracker(None)
+
+
+@pytest.mark.gpu
+def test_fused_router_matches_unfused(tiny_cfg):
+    """TE's fused top-k takes one [E] bias: the router runs it once per modality and merges by row."""
+    pytest.importorskip("transformer_engine")
+    from dsv4flash.integrations.mcore.router import copy_reference_gate
+
+    text = tiny_cfg.text
+    gate = reference_gate(text, seed=13)
+    x = torch.randn(16, 4, text.hidden_size).cuda()
+    pad, image = token_masks(16, 4, seed=14)
+    outs = []
+    with real_cuda_model_parallel():
+        for fused in (False, True):
+            moe = build_moe(v41_moe_config(text, moe_router_fusion=fused)).cuda()
+            copy_reference_gate(moe.router, gate)
+            outs.append(moe.router(x, pad.t().cuda(), image.t().cuda()))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(outs[1][1], outs[0][1])
+
+
 # ---- expert parallel, 2 ranks over gloo -------------------------------------------------------------
 @contextlib.contextmanager
 def cpu_split_sizes():
