@@ -100,14 +100,22 @@ def _shard(tensor: torch.Tensor, layout: str, rank: int, size: int) -> torch.Ten
     return tensor.chunk(size, dim=dim)[rank]
 
 
-def _megatron_name(pair: NamePair, ep_rank: int, local_experts: int) -> str | None:
-    """The name on this expert-parallel rank (None if the expert lives elsewhere)."""
+def _megatron_name(pair: NamePair, ep_rank: int, local_experts: int, names) -> str | None:
+    """The name on this expert-parallel rank (None if the expert lives elsewhere).
+
+    Sequential experts are `experts.local_experts.{e}.linear_fc1.weight`; Transformer Engine grouped-GEMM
+    experts (`TEGroupedMLP`) hold the same tensor as `experts.linear_fc1.weight{e}`.
+    """
     if pair.expert is None:
         return pair.megatron
     if not ep_rank * local_experts <= pair.expert < (ep_rank + 1) * local_experts:
         return None
     local = pair.expert - ep_rank * local_experts
-    return pair.megatron.replace(f"local_experts.{pair.expert}.", f"local_experts.{local}.")
+    sequential = pair.megatron.replace(f"local_experts.{pair.expert}.", f"local_experts.{local}.")
+    if sequential in names:
+        return sequential
+    head, _, tail = pair.megatron.partition(f"local_experts.{pair.expert}.")
+    return f"{head}{tail}{local}"
 
 
 @torch.no_grad()
@@ -121,7 +129,7 @@ def load_reference_state(model: torch.nn.Module, state: Mapping[str, torch.Tenso
     local_experts = cfg.text.n_routed_experts // ep_size
     written: set[str] = set()
     for pair in name_map(cfg):
-        name = _megatron_name(pair, ep_rank, local_experts)
+        name = _megatron_name(pair, ep_rank, local_experts, targets)
         if name is None:
             continue
         missing = [r for r in pair.reference if r not in state]

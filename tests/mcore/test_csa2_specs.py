@@ -1,0 +1,110 @@
+"""The CSA2 layers are megatron-core citizens: ModuleSpecs, `TransformerLayer` subclasses, validated configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.mcore import csa2_support as sup
+from tests.mcore_cpu import parallel
+
+pytestmark = pytest.mark.upstream
+
+
+@pytest.fixture(scope="module")
+def mcore():
+    """One single-rank Megatron session for the module."""
+    with parallel.model_parallel(seed=1234):
+        yield
+
+
+@pytest.fixture(scope="module")
+def config(mcore):
+    """The tiny model's CSA2TransformerConfig."""
+    from dsv4flash.integrations.mcore.csa2 import transformer_config_from
+
+    return transformer_config_from("tiny")
+
+
+def test_block_spec_follows_the_layer_plan(config):
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from dsv4flash.integrations.mcore.csa2 import CSA2TransformerLayer, get_csa2_block_spec
+    from dsv4flash.integrations.mcore.router import ModalityMoELayer, ModalityTopKRouter
+
+    spec = get_csa2_block_spec(config)
+    assert len(spec.layer_specs) == 12
+    for plan, layer in zip(config.dsv4.backbone_plan, spec.layer_specs):
+        assert isinstance(layer, ModuleSpec) and layer.module is CSA2TransformerLayer
+        attn = layer.submodules.self_attention.submodules
+        assert (attn.compressor is not None) == plan.has_compressor
+        assert (attn.indexer is not None) == plan.has_indexer
+        assert (layer.submodules.engram is not None) == plan.has_engram
+        mlp = layer.submodules.mlp
+        assert mlp.func is ModalityMoELayer and mlp.keywords["submodules"].router is ModalityTopKRouter
+
+
+def test_built_layers_are_transformer_layers_with_the_release_roles(config):
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_layer import BaseTransformerLayer, TransformerLayer
+
+    from dsv4flash.integrations.mcore.csa2 import get_csa2_layer_spec
+
+    layers = {i: build_module(get_csa2_layer_spec(config, i), config=config, layer_number=i + 1) for i in (2, 4, 6, 8)}
+    for layer in layers.values():
+        assert isinstance(layer, TransformerLayer) and isinstance(layer, BaseTransformerLayer)
+        assert layer.is_moe_layer
+    assert layers[2].self_attention.compressor.linear_gate is not None  # ratio 2: gated pooling
+    assert layers[6].self_attention.compressor.linear_gate is None  # ratio 1: the CED source has no wgate
+    assert layers[4].engram is not None and layers[2].engram is None
+    assert layers[8].self_attention.compressor is None and layers[8].self_attention.indexer.linear_k is None
+    assert layers[2].self_attention.compressor.linear_kv.weight.dtype == torch.float32
+
+
+def test_layer_refuses_a_call_without_the_csa2_carry(config):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from dsv4flash.integrations.mcore.csa2 import get_csa2_layer_spec
+
+    layer = build_module(get_csa2_layer_spec(config, 0), config=config, layer_number=1)
+    with pytest.raises(TypeError, match="CSA2 carry"):
+        layer(hidden_states=torch.zeros(4, 1, 4 * 64), context=None)
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"pipeline_model_parallel_size": 2, "pipeline_dtype": torch.float32}, "pipeline_model_parallel_size"),
+    ({"bias_activation_fusion": True}, "swiglu_limit"),
+    ({"cp_layout": "ring"}, "cp_layout"),
+    ({"recompute_granularity": "selective", "recompute_modules": ["layernorm"]}, "recompute_modules"),
+    ({"num_layers": 3}, "num_layers"),
+])
+def test_config_rejects_what_the_stack_cannot_do(mcore, override, message):
+    from dsv4flash.integrations.mcore.csa2 import transformer_config_from
+
+    with pytest.raises(ValueError, match=message):
+        transformer_config_from("tiny", **override)
+
+
+def test_provider_validates_its_options(mcore):
+    from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider
+
+    with pytest.raises(ValueError, match="recompute"):
+        DSV41ModelProvider("tiny", recompute="sometimes").transformer_config()
+    with pytest.raises(ValueError, match="transformer_engine"):
+        DSV41ModelProvider("tiny", moe_grouped_gemm=True).transformer_config()
+    with pytest.raises(ValueError, match="pipeline"):
+        DSV41ModelProvider("tiny").provide(pre_process=False)
+
+
+def test_selective_core_attention_and_moe_recompute_keep_gradients_exact(mcore):
+    ref = sup.reference(seed=0)
+    ids = sup.token_ids(1, 32, seed=51)
+    weights = sup.probe((1, 32, sup.VOCAB), seed=52)
+    runs = []
+    for overrides in ({}, {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "moe"]}):
+        model = sup.megatron_from(ref, overrides=overrides)
+        (model(ids) * weights).sum().backward()
+        runs.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert runs[0].keys() == runs[1].keys()
+    for name, grad in runs[0].items():
+        assert torch.equal(runs[1][name], grad), name
