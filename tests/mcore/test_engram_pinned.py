@@ -20,7 +20,7 @@ from dsv4flash.integrations.mcore.engram import (
     quantize_rows_e8m0,
 )
 from dsv4flash.model.engram import Engram, EngramHasher
-from tests.mcore import gloo_spawn
+from tests.mcore_cpu import parallel as mcore_parallel
 
 LAYER = 1  # the second tiny Engram layer (630 rows)
 
@@ -287,7 +287,7 @@ def _ddp_rank(rank: int, world_size: int, flavour: str) -> None:
 
 
 def test_ddp_distributed_optimizer_leave_the_table_alone():
-    gloo_spawn.spawn_gloo(_ddp_rank, 2, "tiny")
+    mcore_parallel.spawn_gloo(_ddp_rank, 2, "tiny")
 
 
 # ---- CUDA: pinned table, staged chunked copies (skipped without a GPU) -------------------------------

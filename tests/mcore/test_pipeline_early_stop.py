@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.mcore import gloo_spawn
+from tests.mcore_cpu import parallel as mcore_parallel
 
 pytestmark = pytest.mark.upstream
 
@@ -139,7 +139,7 @@ def _pp_rank(rank: int, world_size: int, first_trainable: int) -> None:
 
 @pytest.mark.parametrize("world_size, first_trainable", [(2, 1), (3, 2), (3, 1)])
 def test_early_stop_matches_stock_1f1b(world_size, first_trainable):
-    gloo_spawn.spawn_gloo(_pp_rank, world_size, first_trainable)
+    mcore_parallel.spawn_gloo(_pp_rank, world_size, first_trainable)
 
 
 # ---- single rank ----------------------------------------------------------------------------------

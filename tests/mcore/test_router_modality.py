@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.mcore import gloo_spawn
 from tests.mcore_cpu import parallel
 
 pytestmark = pytest.mark.upstream
@@ -370,31 +369,11 @@ def test_fused_router_matches_unfused(tiny_cfg):
 
 
 # ---- expert parallel, 2 ranks over gloo -------------------------------------------------------------
-@contextlib.contextmanager
-def cpu_split_sizes():
-    """The alltoall dispatcher turns its split sizes into numpy only for CUDA tensors; gloo needs them as lists.
-
-    A CUDA-redirect gap (tests/mcore_cpu/shim.py does not cover it yet), confined to this test's ranks.
-    """
-    from megatron.core.transformer.moe import token_dispatcher
-
-    original = token_dispatcher.maybe_move_tensor_to_cpu
-
-    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
-        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
-
-    token_dispatcher.maybe_move_tensor_to_cpu = to_host
-    try:
-        yield
-    finally:
-        token_dispatcher.maybe_move_tensor_to_cpu = original
-
-
 def _ep2_rank(rank: int, world_size: int, tiny_name: str) -> None:
     from dsv4flash.config import load_config
 
     text = load_config(tiny_name).text
-    with cpu_split_sizes(), parallel.model_parallel(ep=2, rank=rank, world_size=world_size, seed=11):
+    with parallel.model_parallel(ep=2, rank=rank, world_size=world_size, seed=11):
         gate = reference_gate(text, seed=12)  # same router on both ranks
         for dispatcher in DISPATCHERS:
             moe = build_moe(v41_moe_config(text, moe_token_dispatcher_type=dispatcher))
@@ -403,4 +382,4 @@ def _ep2_rank(rank: int, world_size: int, tiny_name: str) -> None:
 
 
 def test_moe_layer_matches_reference_ep2_both_dispatchers():
-    gloo_spawn.spawn_gloo(_ep2_rank, 2, "tiny")
+    parallel.spawn_gloo(_ep2_rank, 2, "tiny")
