@@ -24,7 +24,7 @@ import torch
 
 __all__ = [
     "SafetensorsError", "TensorInfo", "TensorSpec", "SafetensorsReader", "SafetensorsWriter", "DTYPES",
-    "dtype_name", "library_order", "save_file", "load_file", "fsync_dir",
+    "dtype_name", "library_order", "save_file", "load_file", "fsync_dir", "parse_header",
 ]
 
 if sys.byteorder != "little":  # the format is little-endian and tensors are read by reinterpreting bytes
@@ -70,6 +70,11 @@ class TensorSpec:
     def row_bytes(self) -> int:
         """Bytes of one row (index along dim 0); the whole tensor for 0-d."""
         return math.prod(self.shape[1:]) * DTYPES[self.dtype].itemsize
+
+    @property
+    def rows(self) -> int:
+        """Length along dim 0 (1 for a 0-d tensor)."""
+        return self.shape[0] if self.shape else 1
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,13 @@ def _parse_header(path: Path, blob: bytes, data_start: int, file_size: int | Non
     return {i.name: i for i in entries}, metadata
 
 
+def parse_header(blob: bytes, where: str | os.PathLike = "<header>") -> tuple[list[TensorInfo], dict]:
+    """Validate a header blob (the JSON after the 8-byte length) on its own: (tensors in data order with
+    data-relative offsets, metadata)."""
+    infos, metadata = _parse_header(Path(where), blob, 0, None)
+    return list(infos.values()), metadata
+
+
 class SafetensorsReader:
     """Random access to one safetensors file: header parsed and validated on open, data read on demand."""
 
@@ -167,7 +179,8 @@ class SafetensorsReader:
             if 8 + n > size:
                 raise SafetensorsError(f"{self.path}: truncated: header length {n} runs past the end of a {size}-byte file")
             self.data_start = 8 + n
-            self.tensors, self.metadata = _parse_header(self.path, os.pread(self._file.fileno(), n, 8), 8 + n, size)
+            self.header_blob = os.pread(self._file.fileno(), n, 8)
+            self.tensors, self.metadata = _parse_header(self.path, self.header_blob, 8 + n, size)
         except BaseException:
             self._file.close()
             raise

@@ -1,0 +1,59 @@
+"""`dsv4flash convert import|export|synthetic`: the checkpoint bridge on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Subcommands and their options."""
+    sub = parser.add_subparsers(dest="action", required=True)
+    for action, text in (("import", "release layout -> BF16/FP32 (release names), keeping what export needs"),
+                         ("export", "an import (possibly trained) -> release layout, bit-exact where unchanged")):
+        p = sub.add_parser(action, help=text, description=text)
+        p.add_argument("src")
+        p.add_argument("dst")
+        if action == "import":
+            p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of decoded weights")
+        p.add_argument("--chunk-mb", type=int, default=256, help="rows per chunk are sized to about this many MiB")
+        p.add_argument("--verify", action="store_true", help="re-read the output and check it against the source")
+        p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+        p.add_argument("--resume", action="store_true", help="keep DST.partial on failure and reuse its finished shards")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser("synthetic", help="write a synthetic checkpoint in the exact release layout")
+    p.add_argument("dst")
+    p.add_argument("--config", default="tiny", help="flavour name (tiny, tiny_mtp, flash) or config.json path")
+    p.add_argument("--shards", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one action; a bad checkpoint prints its error and returns 1."""
+    from dsv4flash_bridge.codecs import CodecError
+    from dsv4flash_bridge.convert import ConvertError, export_release, import_release
+    from dsv4flash_bridge.safetensors_io import SafetensorsError
+    from dsv4flash_bridge.synthetic import write_release_checkpoint
+
+    try:
+        if args.action == "synthetic":
+            print(write_release_checkpoint(args.dst, args.config, shards=args.shards, seed=args.seed))
+            return 0
+        common = dict(chunk_bytes=args.chunk_mb << 20, verify=args.verify, progress=not args.no_progress,
+                      overwrite=args.overwrite, resume=args.resume)
+        if args.action == "import":
+            dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+            summary = import_release(args.src, args.dst, dtype=dtype, **common)
+        else:
+            summary = export_release(args.src, args.dst, **common)
+    except (ConvertError, CodecError, SafetensorsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    rate = summary.bytes_read / max(summary.seconds, 1e-9) / 2**20
+    print(f"{args.action}: {summary.tensors} tensors, {summary.bytes_read / 2**30:.2f} GiB read, "
+          f"{summary.bytes_written / 2**30:.2f} GiB written in {summary.seconds:.1f} s ({rate:.0f} MiB/s)")
+    for note in summary.notes:
+        print(note)
+    return 0
