@@ -302,6 +302,34 @@ def test_gpt_model_with_padding_mask_and_expert_bias(tiny_cfg, mp1):
         assert router.image_balance.local_tokens_per_expert.sum() == 0
 
 
+def test_megatron_router_replay_records_and_replays_modality_routes(tiny_cfg, mp1):
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    from dsv4flash.integrations.mcore.router import copy_reference_gate
+
+    text = tiny_cfg.text
+    moe = build_moe(v41_moe_config(text, moe_enable_routing_replay=True))
+    try:
+        copy_reference_gate(moe.router, reference_gate(text, seed=15))
+        x = torch.randn(10, 2, text.hidden_size)
+        pad, image = token_masks(10, 2, seed=16)
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+        _, recorded_map = moe.router(x, pad.t(), image.t())
+        (recorded,) = RouterReplay.get_recorded_data()
+        copy_reference_gate(moe.router, reference_gate(text, seed=17))  # a different gate would pick others
+        _, fresh_map = moe.router(x, pad.t(), image.t())
+        assert not torch.equal(fresh_map, recorded_map)
+        RouterReplay.set_replay_data([recorded])
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        replay_probs, replay_map = moe.router(x, pad.t(), image.t())
+        assert torch.equal(replay_map, recorded_map)  # pad rows are re-spread identically
+        assert torch.equal(replay_probs[pad.t().reshape(-1)], torch.zeros_like(replay_probs[pad.t().reshape(-1)]))
+    finally:
+        RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_indices()
+        RouterReplay.clear_global_router_replay_instances()
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(moe_router_score_function="sigmoid"), "moe_router_score_function"),
     (dict(moe_router_enable_expert_bias=False), "moe_router_enable_expert_bias"),
