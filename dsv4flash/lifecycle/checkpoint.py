@@ -15,6 +15,7 @@ import torch
 
 from dsv4flash.lifecycle.errors import LifecycleError
 from dsv4flash.lifecycle.fingerprint import BaseFingerprint
+from dsv4flash.lifecycle.packed import PackedMoELoRA
 from dsv4flash.lifecycle.revision import AdapterRevision
 from dsv4flash.lifecycle.store import AdapterStore
 from dsv4flash.lifecycle.trainer_state import capture_trainer_state, load_weights, restore_trainer_state, trainable_state
@@ -43,6 +44,19 @@ def _scheduler_summary(scheduler: Any) -> dict[str, Any]:
     return out
 
 
+def _lora_handle(model: torch.nn.Module):
+    """The `dsv4flash.lora` handle when *every* trainable parameter is a LoRA factor, else None."""
+    try:
+        from dsv4flash.lora import get_handle, lora_parameters  # noqa: PLC0415 - optional coupling
+    except ImportError:  # pragma: no cover - the lora package ships with dsv4flash
+        return None
+    handle = get_handle(model)
+    if handle is None:
+        return None
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    return handle if trainable == {id(p) for p in lora_parameters(model).values()} else None
+
+
 def save_checkpoint(
     store: AdapterStore,
     policy: str,
@@ -55,11 +69,23 @@ def save_checkpoint(
     weights: Mapping[str, torch.Tensor] | None = None,
     tags: Iterable[str] = (),
 ) -> AdapterRevision:
-    """Publish weights + trainer state as the policy's new head revision (atomic)."""
+    """Publish weights + trainer state as the policy's new head revision (atomic).
+
+    A model adapted with `dsv4flash.lora` is saved as a packed MoE LoRA revision under the canonical
+    adapter keys (servable and exportable as-is); any other module as its trainable parameters.
+    """
     blob = capture_trainer_state(optimizer, scheduler, extra={"step": int(step)})
+    if weights is not None:
+        payload = dict(weights)
+    elif (handle := _lora_handle(model)) is not None:
+        from dsv4flash.lora import lora_state_dict  # noqa: PLC0415
+
+        payload = PackedMoELoRA.from_packed_tensors(lora_state_dict(model), alpha=float(handle.config.alpha), source=policy)
+    else:
+        payload = trainable_state(model)
     return store.publish(
         policy,
-        dict(weights) if weights is not None else trainable_state(model),
+        payload,
         step=step,
         trainer_state=blob,
         scheduler=_scheduler_summary(scheduler),
@@ -87,6 +113,11 @@ def resume(
     state, blob = store.trainer_state(policy, rev.id)
     if state is None or blob is None:
         raise LifecycleError(f"revision {rev.id[:12]} of {policy!r} has no trainer state; it was published for serving only")
-    load_weights(model, loaded.tensors, source=f"revision {rev.id[:12]}")
+    if loaded.manifest.format == "packed_moe_lora/1" and _lora_handle(model) is not None:
+        from dsv4flash.lora import load_lora_state_dict  # noqa: PLC0415
+
+        load_lora_state_dict(model, loaded.tensors, strict=True, source=f"revision {rev.id[:12]}")
+    else:
+        load_weights(model, loaded.tensors, source=f"revision {rev.id[:12]}")
     restore_trainer_state(blob, optimizer, scheduler)
     return Resumed(rev.id, int(state.step if state.step is not None else 0), dict(state.data_position))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -39,15 +40,22 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 _GATE_UP, _DOWN = "ffn.experts.gate_up_proj", "ffn.experts.down_proj"
 
 
+def _target_regex(adapter: PackedMoELoRA, *, per_expert: bool) -> str:
+    """PEFT `target_modules` as one full-match regex naming exactly the adapted modules (no more)."""
+    alts = [re.escape(name) for name, (a, _) in sorted(adapter.dense.items()) if a.dim() == 2]
+    if per_expert:
+        alts += [rf"layers\.{layer}\.ffn\.experts\.\d+\.{proj}" for layer, proj in sorted(adapter.experts)]
+    return "|".join(alts) if alts else "(?!)"
+
+
 def _base_config(adapter: PackedMoELoRA, base_model_name_or_path: str | None, layout: str) -> dict[str, Any]:
-    plain = sorted({name.rsplit(".", 1)[-1] for name, (a, _) in adapter.dense.items() if a.dim() == 2})
     grouped = sorted(name for name, (a, _) in adapter.dense.items() if a.dim() == 3)
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": adapter.rank, "lora_alpha": adapter.alpha, "lora_dropout": 0.0, "bias": "none",
         "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
         "use_dora": False, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
-        "target_modules": plain,
+        "target_modules": _target_regex(adapter, per_expert=layout == "peft_per_expert"),
         "dsv4flash": {"layout": layout, "num_experts": adapter.num_experts, "grouped_modules": grouped,
                       "moe_layers": adapter.moe_layers()},
     }
@@ -119,8 +127,6 @@ def _read_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, t
 def export_peft(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None, overwrite: bool = False) -> Path:
     """Write the per-expert PEFT directory (`w1`/`w2`/`w3` per expert) for `adapter`."""
     config = _base_config(adapter, base_model_name_or_path, "peft_per_expert")
-    if adapter.experts:
-        config["target_modules"] = sorted(set(config["target_modules"]) | {p for _, p in adapter.experts})
     tensors = {PEFT_PREFIX + k: v for k, v in adapter.to_per_expert().items()}
     return _write_dir(directory, overwrite, lambda tmp: _write_files(tmp, tensors, config))
 
