@@ -86,6 +86,7 @@ class TwinMeta:
     tests: tuple[str, ...]
     depends_on: tuple[str, ...] = ()
     module: str = ""
+    summary: str = ""
     why: str = ""
     how: str = ""
 
@@ -337,7 +338,8 @@ def runtime_patch(
             patch_id=patch_id, target=target, distribution=distribution, versions=versions,
             touches=tuple(touches), upstream_status=upstream_status, forwarded=forwarded,
             remove_when=remove_when, gate=gate, tests=tuple(tests), depends_on=tuple(depends_on),
-            module=module, why=_docstring_section(doc, "Why"), how=_docstring_section(doc, "How"),
+            module=module, summary=doc.splitlines()[0] if doc else "",
+            why=_docstring_section(doc, "Why"), how=_docstring_section(doc, "How"),
         )
         if not meta.why or not meta.how:
             raise ValueError(f"runtime twin {module} ({patch_id}) needs 'Why:' and 'How:' in its module docstring")

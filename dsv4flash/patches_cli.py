@@ -16,7 +16,7 @@ from rich.text import Text
 from dsv4flash import _patching
 from dsv4flash.patchseries import check as check_mod
 from dsv4flash.patchseries import fetch, gitops, index, predicate
-from dsv4flash.patchseries.series import Problem, Series, SeriesError, load_series
+from dsv4flash.patchseries.series import UPSTREAM_FOLDERS, Problem, Series, SeriesError, load_series
 
 
 def _console() -> Console:
@@ -119,7 +119,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     for twin in registry.all():
         row = rows.setdefault(twin.meta.patch_id, {
             "patch_id": twin.meta.patch_id, "folder": None, "target": twin.meta.target, "file": None,
-            "subject": twin.meta.why.split(". ")[0], "status": twin.meta.upstream_status,
+            "subject": twin.meta.summary, "status": twin.meta.upstream_status,
             "remove_when": twin.meta.remove_when, "tests": list(twin.meta.tests),
             "depends_on": list(twin.meta.depends_on)})
         row["runtime_twin"] = twin.meta.module
@@ -149,7 +149,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     console = _console()
     patches_dir, series_map = _load(args)
     registry = _patching.discover(args.twin_package)
+    # The project's own series must have all four upstream folders; an explicit --patches-dir may hold any.
+    required = UPSTREAM_FOLDERS if args.patches_dir is None else ()
     report = check_mod.run_check(series_map, patches_dir.parent, registry, _opts(args), tuple(args.upstream),
+                                 required_folders=required,
                                  log=lambda line: console.print(line, highlight=False, markup=False))
     for path in index.stale_files(patches_dir, series_map):
         report.problems.append(Problem(str(path), "generated file is stale; run `dsv4flash patches index`"))

@@ -98,6 +98,9 @@ def check_series(series: Series, opts: fetch.FetchOptions, report: CheckReport, 
                                                           f"{result.output}"))
                     outcomes[patch.patch_id].alone = "failed"
                     break
+                if result.mode == "already-applied":
+                    report.problems.append(Problem(where, f"{step.name} changes nothing on {series.base.label}: "
+                                                          "its change is already in the base (obsolete?)"))
                 if step is patch:
                     outcomes[patch.patch_id].alone = result.mode
                     if result.mode == "3way":

@@ -66,7 +66,7 @@ def reset_to(repo: Path, commit: str) -> None:
 class AmResult:
     """Outcome of applying one patch file with `git am`."""
 
-    mode: str  # "clean", "3way" or "failed"
+    mode: str  # "clean", "3way", "already-applied" (3-way merge found nothing to change) or "failed"
     output: str
 
     @property
@@ -77,13 +77,15 @@ class AmResult:
 
 def am(repo: Path, patch: Path) -> AmResult:
     """`git am` one patch; on failure retry with --3way; on failure again abort and report git's words."""
+    head = git(repo, "rev-parse", "HEAD").stdout.strip()
     first = git(repo, "am", "-q", "--keep-cr", str(patch), check=False)
     if first.returncode == 0:
         return AmResult("clean", "")
     git(repo, "am", "--abort", check=False)
     second = git(repo, "am", "-q", "--keep-cr", "--3way", str(patch), check=False)
     if second.returncode == 0:
-        return AmResult("3way", (first.stdout + first.stderr).strip())
+        moved = git(repo, "rev-parse", "HEAD").stdout.strip() != head
+        return AmResult("3way" if moved else "already-applied", (first.stdout + first.stderr).strip())
     git(repo, "am", "--abort", check=False)
     return AmResult("failed", _summarise(second.stdout + second.stderr or first.stdout + first.stderr))
 
@@ -153,11 +155,16 @@ def apply_to_directory(target: Path, patches: list[Path], strip: int = 1, three_
             if not result.ok:
                 git(target, "am", "--abort", check=False)
                 raise GitError(f"{patch.name} does not apply to {target}:\n{result.output}")
-            lines.append(f"{patch.name}: committed ({result.mode})")
+            lines.append(f"{patch.name}: " + ("already applied, skipped" if result.mode == "already-applied"
+                                              else f"committed ({result.mode})"))
         return lines
     # Not a checkout: keep git from discovering an enclosing repository (e.g. a venv inside a project).
     ceiling = {"GIT_CEILING_DIRECTORIES": str(target.parent)}
     for patch in patches:
+        reverse = git(target, "apply", f"-p{strip}", "--reverse", "--check", str(patch), check=False, env=ceiling)
+        if reverse.returncode == 0:
+            lines.append(f"{patch.name}: already applied, skipped")
+            continue
         proc = git(target, "apply", f"-p{strip}", "--whitespace=nowarn", str(patch), check=False, env=ceiling)
         if proc.returncode != 0:
             raise GitError(f"{patch.name} does not apply to {target}:\n{_summarise(proc.stdout + proc.stderr)}")

@@ -1,0 +1,165 @@
+"""The runtime-twin registry: gate, version gate, upstream detection, idempotence, revert, dependencies."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from dsv4flash import _patching
+from dsv4flash._patching import Outcome
+from tests.patches.fake_upstream import FakeProject
+
+pytestmark = pytest.mark.patches
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """fakeup installed (importable, with dist-info) from a temp folder, and a private registry."""
+    proj = FakeProject(tmp_path)
+    monkeypatch.syspath_prepend(str(proj.twins))
+    monkeypatch.setattr(_patching, "REGISTRY", _patching.Registry())
+    yield proj
+    for name in [n for n in sys.modules if n.split(".")[0] in ("fake_integrations", "fakeup")]:
+        del sys.modules[name]
+
+
+def _twin(fake: FakeProject, patch_id: str = "FAKE-001", version: str = "1.0", **kwargs):
+    fake.install_dist(version)
+    importlib.invalidate_caches()
+    module = fake.add_twin(patch_id, **kwargs)
+    importlib.import_module(module)
+    return _patching.REGISTRY.get(patch_id)
+
+
+def test_auto_applies_once_and_revert_restores_the_original(fake):
+    twin = _twin(fake)
+    import fakeup.core
+
+    original = fakeup.core.answer
+    assert twin.apply() is Outcome.APPLIED
+    assert fakeup.core.answer() == 42 and getattr(fakeup.core.answer, _patching.MARKER) == "FAKE-001"
+    assert twin.apply() is Outcome.ALREADY_APPLIED
+    twin.revert()
+    assert fakeup.core.answer is original and fakeup.core.answer() == 41
+    twin.revert()  # no-op
+
+
+def test_gate_off_on_and_invalid(fake, monkeypatch):
+    twin = _twin(fake)
+    import fakeup.core
+
+    monkeypatch.setenv("FAKEUP_FAKE_001", "off")
+    assert twin.apply() is Outcome.DISABLED and fakeup.core.answer() == 41
+    monkeypatch.setenv("FAKEUP_FAKE_001", "maybe")
+    with pytest.raises(ValueError, match="FAKEUP_FAKE_001='maybe' .* must be one of auto, on"):
+        twin.apply()
+    monkeypatch.setenv("FAKEUP_FAKE_001", "1")
+    assert twin.apply() is Outcome.APPLIED and fakeup.core.answer() == 42
+    twin.revert()
+
+
+def test_version_gate(fake, monkeypatch):
+    twin = _twin(fake, version="2.5")
+    import fakeup.core
+
+    assert twin.version_supported() is False
+    assert twin.apply() is Outcome.UNSUPPORTED_VERSION and fakeup.core.answer() == 41
+    monkeypatch.setenv("FAKEUP_FAKE_001", "on")  # forcing overrides the tested range
+    assert twin.apply() is Outcome.APPLIED and fakeup.core.answer() == 42
+    twin.revert()
+
+
+def test_not_installed(fake):
+    module = fake.add_twin("FAKE-001")
+    importlib.import_module(module)
+    assert _patching.REGISTRY.get("FAKE-001").apply() is Outcome.NOT_INSTALLED
+
+
+def test_upstream_probe_skips_the_twin(fake):
+    twin = _twin(fake, probe="lambda: __import__('fakeup.core').core.answer() == 42")
+    import fakeup.core
+
+    assert twin.upstream_has_it() is False
+    fakeup.core.answer = lambda: 42  # "upstream" now has the fix
+    twin._upstream_cache = None
+    assert twin.apply() is Outcome.UPSTREAM_HAS_IT
+
+
+def test_probe_measures_upstream_even_while_applied(fake):
+    twin = _twin(fake, probe="lambda: __import__('fakeup.core').core.answer() == 42")
+    import fakeup.core
+
+    assert twin.apply(mode="on") is Outcome.APPLIED
+    assert twin.upstream_has_it() is False  # the twin is suspended for the probe ...
+    assert fakeup.core.answer() == 42  # ... and back afterwards
+    twin.revert()
+
+
+def test_dependencies_apply_first_and_block_when_off(fake, monkeypatch):
+    fake.install_dist()
+    importlib.invalidate_caches()
+    importlib.import_module(fake.add_twin("FAKE-001"))
+    importlib.import_module(fake.add_twin("FAKE-002", returns=43, depends_on=("FAKE-001",)))
+    first, second = _patching.REGISTRY.get("FAKE-001"), _patching.REGISTRY.get("FAKE-002")
+    monkeypatch.setenv("FAKEUP_FAKE_001", "off")
+    assert second.apply() is Outcome.DEPENDENCY_MISSING and not first.applied
+    monkeypatch.delenv("FAKEUP_FAKE_001")
+    assert _patching.REGISTRY.apply_all(distribution="fakeup") == {
+        "FAKE-001": Outcome.APPLIED, "FAKE-002": Outcome.APPLIED}
+    second.revert()
+    first.revert()
+
+
+def test_registration_errors(fake):
+    importlib.import_module(fake.add_twin("FAKE-001"))
+    clash = fake.add_twin("FAKE-001", stem="another_module")
+    with pytest.raises(ValueError, match="FAKE-001 is registered by both"):
+        importlib.import_module(clash)
+    undocumented = fake.add_twin("FAKE-003", docstring=False)
+    with pytest.raises(ValueError, match="needs 'Why:' and 'How:'"):
+        importlib.import_module(undocumented)
+    with pytest.raises(_patching.UnknownPatch, match="no runtime twin registered for Patch-Id NOPE"):
+        _patching.REGISTRY.get("NOPE")
+
+
+def test_reload_keeps_the_applied_state(fake):
+    twin = _twin(fake)
+    import fakeup.core
+
+    assert twin.apply() is Outcome.APPLIED
+    reloaded = importlib.reload(sys.modules["fake_integrations.fakeup.patches.fake_001"])
+    again = _patching.REGISTRY.get("FAKE-001")
+    assert again is not twin and again.applied and reloaded.install is again
+    assert again.apply() is Outcome.ALREADY_APPLIED
+    again.revert()
+    assert fakeup.core.answer() == 41
+
+
+def test_obsolete_evaluates_remove_when(fake):
+    twin = _twin(fake)
+    assert twin.obsolete() is False  # fakeup 1.0 installed, Remove-When fakeup>=2.0
+    assert twin.obsolete({"fakeup": "2.0"}) is True
+
+
+@pytest.mark.upstream
+def test_real_mcore_twin_via_register(monkeypatch):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    import dsv4flash.integrations.mcore as mcore
+
+    twin = _patching.discover().get("DSV41-MCORE-001")
+    with twin.suspended():
+        stock = TopKRouter.__dict__["_apply_expert_bias"]
+        assert twin.upstream_has_it() is False, "megatron-core 0.19.2 has the bug; the probe must see it"
+        monkeypatch.setenv("DSV4FLASH_MCORE_EXPERT_BIAS_PADDING", "off")
+        assert mcore.register()["DSV41-MCORE-001"] is Outcome.DISABLED
+        assert TopKRouter.__dict__["_apply_expert_bias"] is stock
+        monkeypatch.delenv("DSV4FLASH_MCORE_EXPERT_BIAS_PADDING")
+        assert mcore.register()["DSV41-MCORE-001"] is Outcome.APPLIED
+        assert getattr(TopKRouter.__dict__["_apply_expert_bias"], _patching.MARKER) == "DSV41-MCORE-001"
+        assert mcore.register()["DSV41-MCORE-001"] is Outcome.ALREADY_APPLIED
+        twin.revert()
+        assert TopKRouter.__dict__["_apply_expert_bias"] is stock
