@@ -12,6 +12,8 @@ BENCHMARKS: dict[str, str] = {
     "adapters": "packed vs per-expert MoE LoRA load, catalog register/lookup at 1e6, cold-load staircase",
     "model": "tiny reference model forward+backward step time",
     "engram": "host-pinned Engram row gather (dedup, id copy, gather, expand) vs same-size memcpy, MET/MISS at 50%",
+    "train_step": "LoRA step time: decoder_half with early stop vs full_linear at the same rank, MET/MISS at 0.65",
+    "recompute": "CSA2 stack on megatron-core: activation memory and step time, full recompute vs none, MET/MISS",
 }
 
 __all__ = ["BENCHMARKS", "BenchReport", "Figure"]

@@ -24,7 +24,7 @@ PADS = (3, 0, 2, 5)  # padding slots after each sequence (cu_seqlens_q_padded)
 @pytest.fixture(scope="module")
 def mcore():
     """One single-rank Megatron session for the module."""
-    with parallel.model_parallel(seed=1234):
+    with parallel.model_parallel(seed=1234), sup.single_thread():
         yield
 
 

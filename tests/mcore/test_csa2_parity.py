@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.upstream, pytest.mark.parity]
 @pytest.fixture(scope="module")
 def mcore():
     """One single-rank Megatron session for the module (gloo, CUDA redirect)."""
-    with parallel.model_parallel(seed=1234):
+    with parallel.model_parallel(seed=1234), sup.single_thread():
         yield
 
 

@@ -48,7 +48,7 @@ class SideChannelBlock(CSA2TransformerBlock):
 @pytest.fixture(scope="module")
 def setup():
     """Reference weights, a batch, and the no-recompute Megatron gradients (the baseline)."""
-    with parallel.model_parallel(seed=1234):
+    with parallel.model_parallel(seed=1234), sup.single_thread():
         ref = sup.reference(seed=0)
         ids = sup.token_ids(1, 48, seed=11)
         weights = sup.probe((1, 48, sup.VOCAB), seed=12)

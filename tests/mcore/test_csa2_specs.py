@@ -14,7 +14,7 @@ pytestmark = pytest.mark.upstream
 @pytest.fixture(scope="module")
 def mcore():
     """One single-rank Megatron session for the module."""
-    with parallel.model_parallel(seed=1234):
+    with parallel.model_parallel(seed=1234), sup.single_thread():
         yield
 
 

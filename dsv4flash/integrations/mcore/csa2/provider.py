@@ -52,7 +52,9 @@ class DSV41ModelProvider:
                              f"got {self.recompute!r}")
         fields: dict[str, Any] = dict(RECOMPUTE_PRESETS[self.recompute])
         if self.recompute == "full_block":
-            fields["recompute_num_layers"] = self.dsv4.text.num_hidden_layers
+            # Every layer but the last: its activations are consumed as soon as its forward ends, so
+            # recomputing it costs a layer's forward and saves nothing (the benchmark shows both).
+            fields["recompute_num_layers"] = max(1, self.dsv4.text.num_hidden_layers - 1)
         if parallel_state.model_parallel_is_initialized():
             fields.update(
                 tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
