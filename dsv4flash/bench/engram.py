@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from dsv4flash.bench.report import BenchReport
-from dsv4flash.integrations.mcore.engram import FP8_BLOCK, HostTable
+from dsv4flash.integrations.mcore.host_table import FP8_BLOCK, HostTable
 
 _FORMATS = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -160,6 +160,38 @@ def test_bad_tables_are_rejected():
                   trainable=True)
 
 
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_shared_table_file_one_copy_per_node(tiny_cfg, tmp_path, table_dtype):
+    ref, _ = reference_and_pinned(tiny_cfg, seed=9)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    if table_dtype == torch.float8_e4m3fn:
+        values, scale = quantize_rows_e8m0(state["embed.weight"])
+        state.update({"embed.weight": values, "embed.scale": scale})
+        with torch.no_grad():
+            ref.embed.weight.copy_(dequantize_rows_e8m0(values, scale, torch.float32))
+    template = str(tmp_path / "engram_{layer}.bin")
+    with pytest.raises(ValueError, match=r"engram_4.bin must exist with 161280 bytes"):
+        PinnedEngram(tiny_cfg, LAYER, table_file=template)  # nobody created it yet (630 x 64 fp32)
+    owner = PinnedEngram(tiny_cfg, LAYER, table_file=template, create_table_file=True, table_dtype=table_dtype)
+    owner.load_state_dict(state)
+    # Another rank of the node attaches after the owner loaded: same pages, its own mapping, loads skip the table.
+    peer = PinnedEngram(tiny_cfg, LAYER, table_file=template, table_dtype=table_dtype)
+    assert peer.table.weight.data_ptr() != owner.table.weight.data_ptr()
+    assert torch.equal(peer.table.weight.view(torch.uint8), owner.table.weight.view(torch.uint8))
+    peer.load_state_dict(dict(state, **{"embed.weight": torch.zeros_like(state["embed.weight"])}))
+    assert torch.equal(peer.table.weight.view(torch.uint8), owner.table.weight.view(torch.uint8))
+    x, rows, mask = engram_batch(tiny_cfg, seed=10)
+    assert torch.equal(peer(x, rows, mask), ref(x, rows, mask))
+    with torch.no_grad():  # writes through one mapping are what every rank reads
+        owner.table.weight.view(torch.uint8)[3].fill_(0)
+    assert torch.equal(peer.lookup_rows(torch.tensor([3])), torch.zeros(1, 64, dtype=peer.lookup_rows(
+        torch.tensor([3])).dtype))
+    assert "shared" in repr(peer)
+    if table_dtype == torch.float32:
+        with pytest.raises(ValueError, match="sparse updates need a private table"):
+            PinnedEngram(tiny_cfg, LAYER, table_file=template, trainable_table=True)
+
+
 def dense_sgd_reference(cfg, state, batches, lr: float) -> torch.Tensor:
     """The reference table after one SGD step on the mean gradient of `batches` (one per data-parallel rank)."""
     ref = Engram(cfg, LAYER)
@@ -324,3 +356,17 @@ def test_cuda_module_keeps_its_table_on_the_host(tiny_cfg):
     out.square().mean().backward()
     ids, grads = pinned.table.pop_row_grads()
     assert grads.device.type == "cpu" and torch.equal(ids, torch.unique(rows))
+
+
+@pytest.mark.gpu
+def test_cuda_shared_table_file_is_registered_in_place(tiny_cfg, tmp_path):
+    values, scale = quantize_rows_e8m0(torch.randn(3000, 64, generator=torch.Generator().manual_seed(14)))
+    owner = HostTable.from_file(tmp_path / "t.bin", 3000, 64, torch.float8_e4m3fn, create=True)
+    owner.weight.copy_(values)
+    owner.scale.copy_(scale)
+    peer = HostTable.from_file(tmp_path / "t.bin", 3000, 64, torch.float8_e4m3fn)
+    assert peer.pinned and peer.mapped_path and peer.skip_load
+    ids = torch.randint(0, 3000, (4, 50, 6), generator=torch.Generator().manual_seed(15))
+    got_values, got_scale = peer.gather_stored(ids.cuda())
+    assert torch.equal(got_values.cpu().view(torch.uint8), values[ids].view(torch.uint8))
+    assert torch.equal(got_scale.cpu(), scale[ids])

@@ -1,0 +1,293 @@
+"""Host-memory table with a deduplicating, device-overlapped row gather (the storage behind `PinnedEngram`).
+
+`HostTable` keeps one Engram table in host memory: pinned when CUDA is available, plain otherwise, or a shared
+mapping of a file (one copy per node for every rank on it). Rows are float, or E4M3 with per-32-lane E8M0
+scales (the release format, 264 B per 256-wide row). `gather` deduplicates the ids on their device, copies only
+the distinct ids to the host, gathers those rows in ascending order chunk by chunk into a reused pinned staging
+buffer while the previous chunk's asynchronous copy to the device is in flight, and expands them on the device
+with the inverse index. It is not an nn.Module on purpose: the owning module keeps it out of `parameters()`,
+`buffers()` and every `_apply`.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["FP8_BLOCK", "GatherStats", "HostTable", "coalesce_rows", "dequantize_rows_e8m0", "index_rows",
+           "quantize_rows_e8m0"]
+
+FP8_BLOCK = 32  # Engram rows carry one E8M0 scale per 32 lanes (quant_plan ENGRAM_FP8)
+# Host gather -> device copy pipelining: about this many chunks, none smaller than this many rows.
+_CHUNKS = 8
+_MIN_CHUNK_ROWS = 4096
+_E4M3_MAX = 448.0
+
+
+_INT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def index_rows(table: torch.Tensor, ids: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`table.index_select(0, ids)` for a 2-D table; rows of 1/2/4/8 bytes (the E8M0 scales) go through a
+    1-D integer view, which takes torch's element kernel instead of its ~10x slower narrow-row path."""
+    width = table.shape[1] * table.element_size()
+    as_int = _INT_VIEWS.get(width)
+    if as_int is None or not table.is_contiguous():
+        return torch.index_select(table, 0, ids, out=out)
+    flat_out = None if out is None else out.view(as_int).reshape(-1)
+    rows = torch.index_select(table.view(as_int).reshape(-1), 0, ids, out=flat_out)
+    return rows.view(table.dtype).reshape(-1, table.shape[1])
+
+
+def quantize_rows_e8m0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float rows [R, D] -> (E4M3 rows [R, D], E8M0 scales [R, D/32] uint8), power-of-two scale per 32 lanes."""
+    rows, dim = weight.shape
+    if dim % FP8_BLOCK:
+        raise ValueError(f"quantize_rows_e8m0: row width {dim} is not a multiple of {FP8_BLOCK}")
+    blocks = weight.float().reshape(rows, dim // FP8_BLOCK, FP8_BLOCK)
+    amax = blocks.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny)
+    exponent = torch.ceil(torch.log2(amax / _E4M3_MAX)).clamp(-127, 127)
+    values = (blocks / torch.exp2(exponent).unsqueeze(-1)).reshape(rows, dim).to(torch.float8_e4m3fn)
+    return values, (exponent + 127).to(torch.uint8)
+
+
+def dequantize_rows_e8m0(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """E4M3 rows [N, D] × E8M0 scales [N, D/32] -> rows [N, D] in `dtype`: float(v) · 2^(s − 127)."""
+    factor = torch.exp2(scale.float() - 127.0)  # [N, D/32]
+    blocks = values.float().unflatten(-1, (-1, FP8_BLOCK)) * factor.unsqueeze(-1)
+    return blocks.flatten(-2).to(dtype)
+
+
+@dataclass
+class GatherStats:
+    """What the last gather moved: requested row slots, distinct rows, bytes copied host -> device."""
+
+    requested: int = 0
+    unique: int = 0
+    bytes_moved: int = 0
+
+
+class HostTable:
+    """One Engram table in host memory (pinned iff CUDA is available) with a deduplicating row gather.
+
+    `weight` [rows, dim] is float, or E4M3 with `scale` [rows, dim/32] uint8 (E8M0). Not an nn.Module: the
+    owning module keeps it out of `parameters()`, `buffers()` and every `_apply`.
+    """
+
+    def __init__(self, weight: torch.Tensor, scale: Optional[torch.Tensor] = None, *, name: str = "engram",
+                 pin: Optional[bool] = None, trainable: bool = False, _mapped: Optional[str] = None) -> None:
+        if weight.ndim != 2:
+            raise ValueError(f"{name}: table must be [rows, dim], got {list(weight.shape)}")
+        self.name = name
+        self.fp8 = weight.dtype == torch.float8_e4m3fn
+        if self.fp8 != (scale is not None):
+            raise ValueError(f"{name}: an E4M3 table needs its E8M0 `scale` [rows, dim/{FP8_BLOCK}] and a float "
+                             f"table takes none (got weight {weight.dtype}, scale "
+                             f"{None if scale is None else scale.dtype})")
+        if scale is not None and (scale.dtype != torch.uint8
+                                  or tuple(scale.shape) != (weight.shape[0], weight.shape[1] // FP8_BLOCK)):
+            raise ValueError(f"{name}: scale must be uint8 [{weight.shape[0]}, {weight.shape[1] // FP8_BLOCK}], "
+                             f"got {scale.dtype} {list(scale.shape)}")
+        if trainable and (self.fp8 or not weight.is_floating_point()):
+            raise ValueError(f"{name}: sparse row updates need a float table; FP8 tables stay frozen")
+        if trainable and _mapped is not None:
+            raise ValueError(f"{name}: a table shared through {_mapped} is read by every rank of the node; sparse "
+                             "updates need a private table")
+        self.pinned = torch.cuda.is_available() if pin is None else pin
+        self.mapped_path = _mapped
+        # A file-backed table already filled by another rank is left alone by load_state_dict.
+        self.skip_load = False
+        if _mapped is None:
+            self.weight = self._host(weight)
+            self.scale = self._host(scale) if scale is not None else None
+        else:  # `from_file` pins the shared pages in place; a pinned copy would defeat the sharing
+            self.weight, self.scale = weight, scale
+        self.trainable = trainable
+        self.dedup = True  # gather each distinct row once, in sorted order (see `gather`)
+        self.stats = GatherStats()
+        self._row_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._grad_lock = threading.Lock()
+        self._staging: dict[str, torch.Tensor] = {}
+        self._staging_ready: Any = None  # CUDA event: the last H2D copy out of the staging buffers is done
+
+    @classmethod
+    def empty(cls, rows: int, dim: int, dtype: torch.dtype, **kwargs: Any) -> "HostTable":
+        """An uninitialised table allocated straight into (pinned) host memory, no device round trip."""
+        pin = kwargs.pop("pin", None)
+        pin = torch.cuda.is_available() if pin is None else pin
+        weight = torch.empty(rows, dim, dtype=dtype, device="cpu", pin_memory=pin)
+        scale = (torch.empty(rows, dim // FP8_BLOCK, dtype=torch.uint8, device="cpu", pin_memory=pin)
+                 if dtype == torch.float8_e4m3fn else None)
+        return cls(weight, scale, pin=pin, **kwargs)
+
+    @classmethod
+    def from_file(cls, path: Any, rows: int, dim: int, dtype: torch.dtype, *, create: bool = False,
+                  **kwargs: Any) -> "HostTable":
+        """A table in a shared mapping of `path` (e.g. under /dev/shm): one copy per node for all its ranks.
+
+        Layout: the [rows, dim] values, then (E4M3 only) the [rows, dim/32] E8M0 scales. `create=True` sizes the
+        file (the rank that loads the checkpoint); otherwise the file must exist with exactly that size, and
+        `load_state_dict` leaves its content alone (`skip_load`). Pinned in place when CUDA is available.
+        """
+        import os
+
+        elem = torch.empty(0, dtype=dtype).element_size()
+        n_values = rows * dim * elem
+        nbytes = n_values + (rows * (dim // FP8_BLOCK) if dtype == torch.float8_e4m3fn else 0)
+        path = os.fspath(path)
+        if create:
+            with open(path, "wb") as handle:
+                handle.truncate(nbytes)
+        elif not os.path.exists(path) or os.path.getsize(path) != nbytes:
+            size = os.path.getsize(path) if os.path.exists(path) else None
+            raise ValueError(f"{kwargs.get('name', 'engram')}: shared table file {path} must exist with {nbytes} "
+                             f"bytes ({rows} x {dim} {dtype}{' + E8M0 scales' if elem == 1 else ''}), found "
+                             f"{'no file' if size is None else f'{size} bytes'}")
+        buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        weight = buf[:n_values].view(dtype).view(rows, dim)
+        scale = buf[n_values:].view(rows, dim // FP8_BLOCK) if dtype == torch.float8_e4m3fn else None
+        table = cls(weight, scale, _mapped=path, **kwargs)
+        table.skip_load = not create
+        if table.pinned:
+            _register_pinned(buf)  # once for the whole mapping: values and scales share a page
+        return table
+
+    def _host(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.to("cpu")
+        if self.pinned and not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.contiguous()
+
+    @property
+    def rows(self) -> int:
+        """Number of table rows."""
+        return self.weight.shape[0]
+
+    @property
+    def dim(self) -> int:
+        """Row width."""
+        return self.weight.shape[1]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes moved per gathered row (values + scales)."""
+        scale = self.dim // FP8_BLOCK if self.fp8 else 0
+        return self.dim * self.weight.element_size() + scale
+
+    # ---- lookup ----------------------------------------------------------------------------------
+    def gather(self, row_ids: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
+               dedup: Optional[bool] = None) -> torch.Tensor:
+        """row_ids [...] int (any device) -> rows [..., dim] on that device (FP8: dequantized to `dtype`).
+
+        With `dedup` (default `self.dedup`, True) each distinct row is gathered and moved once, in ascending
+        row order, and expanded on the device. Sorted access is also what makes the host gather fast: random
+        256-byte rows out of a ~100 GB table are TLB- and DRAM-latency-bound, ascending ones stream.
+        """
+        ids, inverse, values, scales = self._fetch(row_ids, dedup)
+        if self.fp8:
+            rows = dequantize_rows_e8m0(values, scales, dtype or torch.bfloat16)  # distinct rows only
+        else:
+            rows = values if dtype is None else values.to(dtype)
+        if self.trainable and torch.is_grad_enabled():
+            rows = rows.detach().requires_grad_(True)
+            rows.register_hook(self._grad_hook(ids))
+        if inverse is not None:
+            rows = index_rows(rows, inverse)
+        return rows.reshape(*row_ids.shape, self.dim)
+
+    def gather_stored(self, row_ids: torch.Tensor, *, dedup: Optional[bool] = None
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Like `gather` but in the stored format: (values [..., dim], E8M0 scales [..., dim/32] or None)."""
+        _, inverse, values, scales = self._fetch(row_ids, dedup)
+        if inverse is not None:
+            values = index_rows(values, inverse)
+            scales = index_rows(scales, inverse) if scales is not None else None
+        shape = tuple(row_ids.shape)
+        return values.reshape(*shape, self.dim), (scales.reshape(*shape, -1) if scales is not None else None)
+
+    def _fetch(self, row_ids: torch.Tensor, dedup: Optional[bool]):
+        """-> (host ids [n], inverse [N] on the device or None, values [n, dim], scales [n, dim/32] | None)."""
+        if row_ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{self.name}: row ids must be int32/int64, got {row_ids.dtype}")
+        device = row_ids.device
+        flat = row_ids.reshape(-1)
+        if dedup if dedup is not None else self.dedup:
+            unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)  # on the device
+            ids = unique.to("cpu", torch.int64)  # the only device -> host traffic: distinct ids
+        else:
+            ids, inverse = flat.to("cpu", torch.int64), None
+        if ids.numel():
+            lo, hi = (int(v) for v in ids.aminmax())
+            if lo < 0 or hi >= self.rows:
+                raise ValueError(f"{self.name}: row ids must lie in [0, {self.rows}), got range [{lo}, {hi}]")
+        values, scales = self._gather_host(ids, device)
+        self.stats = GatherStats(flat.numel(), ids.numel(), ids.numel() * self.row_bytes)
+        return ids, inverse, values, scales
+
+    def _gather_host(self, ids: torch.Tensor, device: torch.device):
+        """Host rows `ids` -> device tensors. Crossing to CUDA, chunks are gathered into a reused pinned staging
+        buffer while the previous chunk's asynchronous copy is in flight, so gather and copy overlap."""
+        tables = [t for t in (self.weight, self.scale) if t is not None]
+        if device.type == "cpu":
+            out = [index_rows(t, ids) for t in tables]
+            return out[0], (out[1] if self.fp8 else None)
+        if self._staging_ready is not None:
+            self._staging_ready.synchronize()  # the previous micro-batch's copies may still read the buffers
+        n = ids.numel()
+        staging, out = [], []
+        for key, table in zip(("weight", "scale"), tables):
+            buf = self._staging.get(key)
+            if buf is None or buf.shape[0] < n:
+                cap = max(n, 2 * (0 if buf is None else buf.shape[0]))
+                buf = torch.empty(cap, table.shape[1], dtype=table.dtype, pin_memory=self.pinned)
+                self._staging[key] = buf
+            staging.append(buf)
+            out.append(torch.empty(n, table.shape[1], dtype=table.dtype, device=device))
+        chunk = max(_MIN_CHUNK_ROWS, -(-n // _CHUNKS))
+        for start in range(0, n, chunk):
+            part = slice(start, min(n, start + chunk))
+            for table, buf, dst in zip(tables, staging, out):
+                index_rows(table, ids[part], out=buf[part])
+                dst[part].copy_(buf[part], non_blocking=self.pinned)
+        self._staging_ready = torch.cuda.Event()
+        self._staging_ready.record()
+        return out[0], (out[1] if self.fp8 else None)
+
+    # ---- sparse training -------------------------------------------------------------------------
+    def _grad_hook(self, ids: torch.Tensor):
+        def hook(grad: torch.Tensor) -> None:
+            with self._grad_lock:
+                self._row_grads.append((ids, grad.detach().to("cpu", torch.float32)))
+        return hook
+
+    def pop_row_grads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Coalesced (row ids [n], grads [n, dim] fp32) of every backward since the last call; clears them."""
+        with self._grad_lock:
+            pending, self._row_grads = self._row_grads, []
+        if not pending:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, self.dim)
+        return coalesce_rows(torch.cat([p[0] for p in pending]), torch.cat([p[1] for p in pending]))
+
+
+def _register_pinned(*tensors: Optional[torch.Tensor]) -> None:
+    """Page-lock existing host memory for asynchronous copies (cudaHostRegister), without moving it."""
+    cudart = torch.cuda.cudart()
+    for tensor in tensors:
+        if tensor is None or tensor.numel() == 0:
+            continue
+        code = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+        if int(code) != 0:
+            raise RuntimeError(f"cudaHostRegister of {tensor.numel() * tensor.element_size()} bytes failed "
+                               f"(cudaError {int(code)}); raise the locked-memory limit or pass pin=False")
+
+
+def coalesce_rows(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the gradient rows of repeated ids: -> (sorted distinct ids, summed grads)."""
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype).index_add_(0, inverse, grads)
+    return unique, summed
