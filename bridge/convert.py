@@ -27,9 +27,9 @@ import torch
 
 from dsv4flash.quant_plan import QuantRole, quant_role, scale_name
 from dsv4flash_bridge import codecs
-from dsv4flash_bridge.safetensors_io import (SafetensorsError, SafetensorsWriter, TensorInfo, TensorSpec, dtype_name,
-                                             library_order, parse_header, save_file)
-from dsv4flash_bridge.sharded import INDEX_FILE, SINGLE_FILE, CheckpointReader, write_index
+from dsv4flash_bridge.safetensors_io import (SafetensorsWriter, TensorInfo, TensorSpec, dtype_name, library_order,
+                                             parse_header)
+from dsv4flash_bridge.sharded import INDEX_FILE, CheckpointReader, write_index
 
 __all__ = ["ConvertError", "Summary", "import_release", "export_release", "SIDECAR", "LAYOUT_FILE", "bench_convert"]
 
@@ -300,7 +300,11 @@ def export_release(src, dst, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify: 
             raise ConvertError(f"{src}: {len(extra)} tensors are not part of the release layout, e.g. {extra[0]}")
         writers = {shard: SafetensorsWriter.from_header(out / shard, blob.encode("utf-8"))
                    for shard, blob in layout["shards"].items() if not (out / shard).exists()}
-        write = lambda name, t: writers[where[name][0]].write_rows(name, t) if where[name][0] in writers else None  # noqa: E731
+
+        def write(name: str, rows: torch.Tensor) -> None:  # shards completed before a resume are skipped
+            if where[name][0] in writers:
+                writers[where[name][0]].write_rows(name, rows)
+
         bar, task = _progress(progress, f"export {src.name}", sum(ckpt.info(n).nbytes for n in ckpt.names()))
         try:
             with bar:
@@ -389,7 +393,8 @@ def bench_convert(scale: float = 1.0, chunk_bytes: int = 32 << 20) -> tuple[int,
 
     logical = {"layers.1.engram.embed.weight": (1 << 18, 256), "layers.0.attn.wo_b.weight": (4096, 4096),
                "layers.0.ffn.experts.0.w1.weight": (2304, 5120), "embed.weight": (16384, 1024)}
-    rows = [stored for name, (r, c) in logical.items() for stored in stored_layout(name, (max(32, int(r * scale) // 32 * 32), c))]
+    rows = [stored for name, (r, c) in logical.items()
+            for stored in stored_layout(name, (max(32, int(r * scale) // 32 * 32), c))]
     # Linux: writing 5 to clear_refs resets the peak (VmHWM), so the peak below is the conversion's own.
     script = f"""
 import re, sys

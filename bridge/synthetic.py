@@ -51,7 +51,8 @@ def _write_tensor(writers: dict[str, SafetensorsWriter], shard_of: dict[str, str
         chunk_shape = (r1 - r0, *shape[1:]) if shape else ()
         values = _chunk_values(seed, row.name, index, chunk_shape, std)
         if role in (QuantRole.BF16, QuantRole.F32):
-            writer.write_rows(row.name, values.reshape(-1, *shape[1:]).to(torch.bfloat16 if role is QuantRole.BF16 else torch.float32))
+            dtype = torch.bfloat16 if role is QuantRole.BF16 else torch.float32
+            writer.write_rows(row.name, values.reshape(-1, *shape[1:]).to(dtype))
             continue
         q, s = codecs.encode(role, values, name=row.name)
         writer.write_rows(row.name, q)
