@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.mcore import csa2_support as sup
-from tests.mcore import gloo_spawn
+from tests.mcore_cpu import parallel
 
 pytestmark = [pytest.mark.upstream, pytest.mark.parity]
 
@@ -78,7 +78,7 @@ def _spawn_against_reference(layout_name, recompute, tmp_path):
     grads = {name: expected for name, expected, _ in _reference_grads(ref) if expected is not None}
     path = tmp_path / "expected.pt"  # ranks start from a fork server: hand them plain data and a file
     torch.save({"ids": ids, "weights": weights, "logits": logits.detach(), "grads": grads}, path)
-    gloo_spawn.spawn_gloo(_cp_rank, 2, layout_name, recompute, str(path))
+    parallel.spawn_gloo(_cp_rank, 2, layout_name, recompute, str(path))
 
 
 def _reference_grads(ref):

@@ -22,7 +22,7 @@ import torch
 
 from dsv4flash.config import DSV41FlashConfig
 
-__all__ = ["NamePair", "name_map", "load_reference_state"]
+__all__ = ["NamePair", "name_map", "load_reference_state", "shard"]
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,8 @@ def name_map(cfg: DSV41FlashConfig) -> list[NamePair]:
     return pairs
 
 
-def _shard(tensor: torch.Tensor, layout: str, rank: int, size: int) -> torch.Tensor:
+def shard(tensor: torch.Tensor, layout: str, rank: int, size: int) -> torch.Tensor:
+    """This tensor-parallel rank's part of a full tensor (`glu`: pass each half separately)."""
     if layout == "copy" or size == 1:
         return tensor
     dim = 0 if layout in ("rows", "glu") else 1
@@ -138,7 +139,7 @@ def load_reference_state(model: torch.nn.Module, state: Mapping[str, torch.Tenso
         if name not in targets:
             raise KeyError(f"Megatron model has no `{name}` (source `{pair.reference[0]}`); was it built from "
                            "the same config with the local backend?")
-        parts = [_shard(state[r], pair.layout, tp_rank, tp_size) for r in pair.reference]
+        parts = [shard(state[r], pair.layout, tp_rank, tp_size) for r in pair.reference]
         value = torch.cat(parts, dim=0) if pair.layout == "glu" else parts[0]
         target = targets[name]
         if tuple(value.shape) != tuple(target.shape):
