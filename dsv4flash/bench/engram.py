@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cols", type=int, default=24, help="row ids per token (3 orders x 8 heads)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="auto", help="where row ids live and rows land: auto, cpu, cuda")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads for the host gather (0: torch's default)")
     parser.add_argument("--plot", metavar="PNG", help="also draw the GB/s figures as a bar chart")
 
 
@@ -67,10 +69,12 @@ def _random_table(rows: int, dim: int, dtype: torch.dtype, seed: int) -> HostTab
 
 def run(args: argparse.Namespace) -> BenchReport:
     """Measure memcpy, the deduplicating host gather and the naive per-token gather at one micro-batch size."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = _FORMATS[args.format]
-    row_bytes = args.dim * torch.empty(0, dtype=dtype).element_size() + (args.dim // FP8_BLOCK if args.format == "fp8"
-                                                                          else 0)
+    scale_bytes = args.dim // FP8_BLOCK if args.format == "fp8" else 0
+    row_bytes = args.dim * torch.empty(0, dtype=dtype).element_size() + scale_bytes
     rows = max(1, int(args.table_gib * 2**30 // row_bytes))
     table = _random_table(rows, args.dim, dtype, seed=0)
     gen = torch.Generator().manual_seed(1)
@@ -103,9 +107,9 @@ def run(args: argparse.Namespace) -> BenchReport:
 
     t_naive = _best_of(naive, args.repeats, device)
 
-    report = BenchReport(f"engram host-table gather ({args.format} rows of {args.dim}, table {rows * row_bytes / 2**30:.2f} "
-                         f"GiB, {args.tokens} tokens x {args.cols} ids, device {device.type}, "
-                         f"{'pinned' if table.pinned else 'pageable'} host memory)")
+    report = BenchReport(f"engram host-table gather ({args.format} rows of {args.dim}, table "
+                         f"{rows * row_bytes / 2**30:.2f} GiB, {args.tokens} tokens x {args.cols} ids, device {device.type}, "
+                         f"{'pinned' if table.pinned else 'pageable'} host memory, {torch.get_num_threads()} threads)")
     gbps = moved / 1e9
     report.add("memcpy_GBps", gbps / t_copy, "GB/s",
                note=f"contiguous {moved / 1e6:.1f} MB of the table, host->{device.type}")

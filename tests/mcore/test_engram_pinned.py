@@ -99,7 +99,8 @@ def test_state_dict_roundtrip_keeps_the_host_tensor(tiny_cfg):
     pinned.load_state_dict(new)
     assert pinned.table.weight is table and torch.equal(table, new["embed.weight"])
     bad = dict(new, **{"embed.weight": torch.zeros(5, tiny_cfg.text.engram_head_dim)})
-    with pytest.raises(RuntimeError, match=r"embed.weight: expected torch.float32 \[630, 64\].*got torch.float32 \[5, 64\]"):
+    expected = r"embed.weight: expected torch.float32 \[630, 64\].*got torch.float32 \[5, 64\]"
+    with pytest.raises(RuntimeError, match=expected):
         pinned.load_state_dict(bad)
     missing = {k: v for k, v in new.items() if k != "embed.weight"}
     with pytest.raises(RuntimeError, match="Missing key.*embed.weight"):
