@@ -108,7 +108,11 @@ class Patcher:
 
     def replace(self, owner: Any, name: str, value: Any) -> None:
         """Set `owner.name = value` (value is tagged with the Patch-Id); no-op if already this patch's."""
-        current = inspect.getattr_static(owner, name)
+        try:
+            current = inspect.getattr_static(owner, name)
+        except AttributeError:
+            raise AttributeError(f"{self.patch_id}: {getattr(owner, '__name__', owner)}.{name} does not exist in "
+                                 "the installed upstream (renamed or removed?); see the twin's Remove-When") from None
         if getattr(current, MARKER, None) == self.patch_id:
             return
         had_own = name in getattr(owner, "__dict__", {})
@@ -208,6 +212,8 @@ class RuntimePatch:
         """Install the twin if the gate, version range and upstream probe call for it (idempotent)."""
         with self._lock:
             mode = mode or self.gate_mode()
+            if mode not in ("auto", "on", "off"):
+                raise ValueError(f"{self.meta.patch_id}: apply mode must be auto, on or off, got {mode!r}")
             if self.applied:
                 return Outcome.ALREADY_APPLIED
             if mode == "off":

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from dsv4flash.patchseries import fetch, gitops
-from dsv4flash.patchseries.series import Problem, Series, _touched_file, twin_problems, validate
+from dsv4flash.patchseries.series import Problem, Series, touched_file, twin_problems, validate
 
 
 @dataclass
@@ -54,7 +54,7 @@ def _verify_tree(repo: Path, series: Series, patches: list, where: str) -> list[
         out.append(Problem(where, f"does not byte-compile: {err}"))
     for patch in patches:
         for sym in patch.many("Touches"):
-            rel = _touched_file(sym, patch.files, series.base.repo_prefix)
+            rel = touched_file(sym, patch.files, series.base.repo_prefix)
             if rel is None or not rel.endswith(".py") or not (repo / rel).is_file():
                 continue
             module = rel[len(series.base.repo_prefix):].removesuffix(".py").removesuffix("/__init__").replace("/", ".")

@@ -160,6 +160,21 @@ def _index_file_url(index: str, base: Base) -> str | None:
     return None
 
 
+def _download(url: str, target: Path) -> None:
+    """Stream `url` to `target` with a progress bar on stderr (sdists can be tens of MB)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    with urllib.request.urlopen(url, timeout=600) as response, open(target, "wb") as out:
+        total = int(response.headers.get("Content-Length") or 0) or None
+        columns = ("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn())
+        with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+            task = progress.add_task(f"fetching {target.name}", total=total)
+            for chunk in iter(lambda: response.read(1 << 20), b""):
+                out.write(chunk)
+                progress.advance(task, len(chunk))
+
+
 def _index_download(base: Base, dest: Path, opts: FetchOptions) -> Path:
     """Download an sdist from a find-links folder or the simple index, without building anything."""
     for link in opts.find_links:
@@ -176,8 +191,7 @@ def _index_download(base: Base, dest: Path, opts: FetchOptions) -> Path:
             continue
         target = dest / base.artifact
         try:
-            with urllib.request.urlopen(url, timeout=600) as response, open(target, "wb") as out:
-                shutil.copyfileobj(response, out, 1 << 20)
+            _download(url, target)
         except OSError as exc:
             raise FetchError(f"downloading {url} failed: {exc}") from exc
         return target

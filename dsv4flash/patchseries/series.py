@@ -320,12 +320,12 @@ def _validate_patch(series: Series, index: int, patch: PatchFile, root: Path) ->
         if not (root / test.split("::")[0]).is_file():
             out.append(Problem(where, f"Tests file {test} does not exist under {root}"))
     for sym in patch.many("Touches"):
-        if _touched_file(sym, patch.files, series.base.repo_prefix) is None:
+        if touched_file(sym, patch.files, series.base.repo_prefix) is None:
             out.append(Problem(where, f"Touches {sym} is not in any file the diff changes ({', '.join(patch.files)})"))
     return out
 
 
-def _touched_file(symbol: str, files: tuple[str, ...], prefix: str) -> str | None:
+def touched_file(symbol: str, files: tuple[str, ...], prefix: str) -> str | None:
     """The diff file that defines the module part of a dotted `symbol`, if any."""
     parts = symbol.split(".")
     for cut in range(len(parts), 0, -1):

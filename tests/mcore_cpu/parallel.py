@@ -132,7 +132,12 @@ def _join_all(procs: list, timeout: float) -> list[str]:
     deadline = time.monotonic() + timeout
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         if any(p.exitcode not in (None, 0) for p in procs):
-            break  # the survivors would wait forever in their next collective
+            # Survivors may wait forever in their next collective: give them a moment to fail (and report
+            # their own traceback) on their own, then stop them.
+            grace = time.monotonic() + 5.0
+            for p in procs:
+                p.join(timeout=max(0.0, grace - time.monotonic()))
+            break
         procs[0].join(timeout=0.05)
     failed = []
     for p in procs:
