@@ -12,7 +12,7 @@ import torch
 
 from dsv4flash.cli import main as cli_main
 from dsv4flash.quant_plan import QuantRole, StoredTensor, quant_role, scale_name
-from dsv4flash_bridge import codecs, convert
+from dsv4flash_bridge import codecs, convert, importer
 from dsv4flash_bridge.codecs import CodecError
 from dsv4flash_bridge.convert import ConvertError, export_release, import_release
 from dsv4flash_bridge.safetensors_io import SafetensorsError, SafetensorsReader, load_file, save_file
@@ -102,7 +102,7 @@ def test_changed_weights_get_fresh_scales_only_where_changed(release, tmp_path):
 
 
 def test_resume_after_a_crash_is_bit_identical(release, tmp_path, monkeypatch):
-    real, calls = convert._import_shard, []
+    real, calls = importer._import_shard, []
 
     def crash_on_second(*args, **kwargs):
         calls.append(args[1])
@@ -110,12 +110,12 @@ def test_resume_after_a_crash_is_bit_identical(release, tmp_path, monkeypatch):
             raise KeyboardInterrupt("simulated crash")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(convert, "_import_shard", crash_on_second)
+    monkeypatch.setattr(importer, "_import_shard", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
         import_release(release, tmp_path / "resumed", resume=True, **SMALL)
     partial = tmp_path / "resumed.partial"
     assert (partial / calls[0]).exists() and not (tmp_path / "resumed").exists()
-    monkeypatch.setattr(convert, "_import_shard", real)
+    monkeypatch.setattr(importer, "_import_shard", real)
     import_release(release, tmp_path / "resumed", resume=True, **SMALL)
     import_release(release, tmp_path / "clean", **SMALL)
     assert files(tmp_path / "resumed") == files(tmp_path / "clean") and not partial.exists()

@@ -1,0 +1,150 @@
+"""Shared pieces of the streaming converter: errors, staging directory, progress, chunk arithmetic."""
+
+from __future__ import annotations
+
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dsv4flash.quant_plan import QuantRole, quant_role, scale_name
+from dsv4flash_bridge.safetensors_io import TensorInfo
+from dsv4flash_bridge.sharded import CheckpointReader
+
+SIDECAR = "release"
+LAYOUT_FILE = "layout.json"
+LAYOUT_FORMAT = "dsv4flash-release-layout/1"
+DEFAULT_CHUNK_BYTES = 256 << 20
+QUANTIZED = (QuantRole.DENSE_FP8, QuantRole.EXPERT_MXFP4, QuantRole.ENGRAM_FP8)
+_STORED_DTYPE = {QuantRole.DENSE_FP8: "F8_E4M3", QuantRole.EXPERT_MXFP4: "I8", QuantRole.ENGRAM_FP8: "F8_E4M3"}
+
+
+class ConvertError(ValueError):
+    """A checkpoint that cannot be converted; the message names the tensor or file."""
+
+
+@dataclass
+class Summary:
+    """What a conversion did."""
+
+    tensors: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def logical_shape(role: QuantRole, stored: tuple[int, ...]) -> tuple[int, ...]:
+    """Float shape of a stored quantized weight."""
+    return (stored[0], stored[1] * 2) if role is QuantRole.EXPERT_MXFP4 else stored
+
+
+def chunk_rows(role: QuantRole, row_bytes: int, chunk_bytes: int) -> int:
+    """Rows per chunk: about chunk_bytes of the larger side, whole 32-row block rows for dense FP8."""
+    rows = max(1, chunk_bytes // max(row_bytes, 1))
+    return max(32, rows // 32 * 32) if role is QuantRole.DENSE_FP8 else rows
+
+
+def scale_rows(role: QuantRole, r0: int, r1: int) -> tuple[int, int]:
+    """Scale rows covering weight rows [r0, r1)."""
+    return (r0 // 32, -(-r1 // 32)) if role is QuantRole.DENSE_FP8 else (r0, r1)
+
+
+def quantized_pairs(names, info) -> dict[str, tuple[QuantRole, str]]:
+    """weight name -> (role, scale name) for every quantized weight; checks dtypes and that scales pair up."""
+    names = set(names)
+    pairs = {}
+    for name in sorted(names):
+        role = quant_role(name)
+        if role in QUANTIZED:
+            scale = scale_name(name)
+            if scale not in names:
+                raise ConvertError(f"{name}: quantized ({role.value}) but its scale {scale} is missing")
+            if info(name).dtype != _STORED_DTYPE[role] or info(scale).dtype != "F8_E8M0":
+                raise ConvertError(f"{name}: {role.value} must be stored as {_STORED_DTYPE[role]} + F8_E8M0 scale, "
+                                   f"found {info(name).dtype} + {info(scale).dtype}")
+            pairs[name] = (role, scale)
+        elif name.endswith(".scale") and name[: -len(".scale")] + ".weight" not in names:
+            raise ConvertError(f"{name}: a scale without its weight")
+        elif name.endswith(".weight") and scale_name(name) in names:
+            raise ConvertError(f"{name}: has a .scale sibling but quant_plan says it is {role.value}")
+    return pairs
+
+
+@contextmanager
+def staging(dst: Path, overwrite: bool, resume: bool):
+    """Yield DST.partial; rename it to DST on success, remove it on failure unless resuming."""
+    partial = dst.with_name(dst.name + ".partial")
+    if dst.exists() and not overwrite:
+        raise ConvertError(f"{dst}: already exists (pass overwrite to replace it)")
+    if partial.exists() and not resume:
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True, exist_ok=True)
+    for stale in partial.rglob(".*.partial"):  # temp files of a crashed writer
+        stale.unlink()
+    try:
+        yield partial
+    except BaseException:
+        if not resume:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if dst.exists():
+        old = dst.with_name(dst.name + ".old")
+        dst.rename(old)
+        partial.rename(dst)
+        shutil.rmtree(old)
+    else:
+        partial.rename(dst)
+
+
+def progress_bar(enabled: bool, description: str, total: int):
+    """A rich progress bar with bytes and bytes/s (a no-op display when disabled)."""
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                        TimeRemainingColumn(), disable=not enabled)
+    return progress, progress.add_task(description, total=total)
+
+
+def copy_rows(ckpt: CheckpointReader, info: TensorInfo, write, chunk_bytes: int, cast=None) -> int:
+    """Copy an unquantized tensor in row chunks (optionally cast); returns bytes read."""
+    if not info.shape:
+        value = ckpt.read(info.name)
+        write(value.to(cast) if cast is not None else value)
+        return info.nbytes
+    step = max(1, chunk_bytes // max(info.row_bytes, 1))
+    for r0 in range(0, info.rows, step):
+        rows = ckpt.read_rows(info.name, r0, min(info.rows, r0 + step))
+        write(rows.to(cast) if cast is not None else rows)
+    return info.nbytes
+
+
+def copy_files(src: Path, dst: Path, skip: set[str]) -> None:
+    """Copy the other top-level files (tokenizer, generation config, ...)."""
+    for path in sorted(src.iterdir()):
+        if path.is_file() and path.name not in skip and not path.name.endswith(".safetensors"):
+            shutil.copy2(path, dst / path.name)
+
+
+def check_copy(src: CheckpointReader, dst: CheckpointReader, name: str, chunk_bytes: int, where: Path) -> None:
+    """An unquantized tensor must be identical (after casting the source to the stored dtype)."""
+    a, b = src.info(name), dst.info(name)
+    if not a.shape or not b.shape:
+        same = same_bytes(src.read(name).to(b.torch_dtype), dst.read(name))
+    else:
+        step = max(1, chunk_bytes // max(a.row_bytes, 1))
+        same = a.shape == b.shape and all(
+            same_bytes(src.read_rows(name, r0, min(a.rows, r0 + step)).to(b.torch_dtype),
+                        dst.read_rows(name, r0, min(a.rows, r0 + step))) for r0 in range(0, a.rows, step))
+    if not same:
+        raise ConvertError(f"{where}: verify failed, {name} differs from the source")
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical tensors."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                      b.reshape(-1).view(torch.uint8))
