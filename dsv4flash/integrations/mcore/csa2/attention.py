@@ -25,7 +25,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from dsv4flash.integrations.mcore.csa2.comm import all_reduce_sum_autograd
 from dsv4flash.integrations.mcore.csa2.layout import GroupTable, TokenLayout
-from dsv4flash.integrations.mcore.csa2.modules import GroupedOutputProjection, build_linear, linear_forward
+from dsv4flash.integrations.mcore.csa2.modules import (
+    GroupedOutputProjection,
+    build_linear,
+    linear_forward,
+    sharded_state_dict_with_tp_axes,
+)
 from dsv4flash.model.attention import sparse_attention
 from dsv4flash.model.quant import fake_quant_compressed_kv, fake_quant_window_kv
 from dsv4flash.model.rope import apply_rope, rope_angles, rope_frequencies
@@ -94,6 +99,10 @@ class CSA2SelfAttention(MegatronModule):
                         if plan.has_indexer else None)
         self.checkpoint_core_attention = (config.recompute_granularity == "selective"
                                           and "core_attn" in (config.recompute_modules or ()))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Distributed checkpoint: `attn_sink` is split over tensor-parallel ranks like the heads."""
+        return sharded_state_dict_with_tp_axes(self, {"attn_sink": 0}, prefix, sharded_offsets, metadata)
 
     def rotation(self, positions: torch.Tensor) -> torch.Tensor:
         """Complex rotations for integer positions (this layer's RoPE base, YaRN when compressed)."""

@@ -47,6 +47,12 @@ class CSA2TransformerBlock(TransformerBlock):
         ngram = text.engram_max_ngram_size if text.engram_layer_ids else 1
         self.halo_width = max(text.sliding_window - 1, max(self.ratios, default=1) - 1, ngram - 1)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Layers differ (Full/Reuse/Reindex, Engram), so they are never stacked into one sharded tensor."""
+        metadata = dict(metadata or {})
+        metadata["non_homogeneous_layers"] = True
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
     # ---- micro-batch bookkeeping ------------------------------------------------------------------
     def cp_spans(self, local_len: int) -> Optional[CPSpans]:
         """The context-parallel split of this micro-batch's sequence, or None without context parallelism."""

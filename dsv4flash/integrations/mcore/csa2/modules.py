@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.module import MegatronModule
@@ -21,7 +22,8 @@ from megatron.core.transformer.module import MegatronModule
 from dsv4flash.integrations.mcore.csa2.config import with_dtype
 from dsv4flash.model.norm import RMSNorm
 
-__all__ = ["CSA2RMSNorm", "GroupedOutputProjection", "build_linear", "linear_forward"]
+__all__ = ["CSA2RMSNorm", "GroupedOutputProjection", "build_linear", "linear_forward",
+           "sharded_state_dict_with_tp_axes"]
 
 
 class CSA2RMSNorm(RMSNorm):
@@ -56,6 +58,26 @@ def build_linear(cls: Any, in_features: int, out_features: int, config: Any, pla
     return cls(in_features, out_features, is_expert=False, gather_output=placement == "replicated", **common)
 
 
+def sharded_state_dict_with_tp_axes(module: MegatronModule, axes: dict[str, int], prefix: str = "",
+                                    sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+    """megatron-core's default `sharded_state_dict`, with this module's own tensors in `axes` TP-sharded."""
+    from megatron.core.transformer.utils import (
+        ensure_metadata_has_dp_cp_group,
+        make_sharded_tensors_for_checkpoint,
+        sharded_state_dict_default,
+    )
+
+    state: dict = {}
+    module._save_to_state_dict(state, "", keep_vars=True)
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    tp_group = getattr(module, "tp_group", None) or parallel_state.get_tensor_model_parallel_group()
+    out = make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets, tp_group=tp_group,
+                                              dp_cp_group=metadata["dp_cp_group"])
+    for name, child in module.named_children():
+        out.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets, metadata, tp_group=tp_group))
+    return out
+
+
 def linear_forward(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Run a Megatron linear (which returns `(output, bias)`) and return the output."""
     out = linear(x)
@@ -81,6 +103,10 @@ class GroupedOutputProjection(MegatronModule):
         setattr(self.weight, "partition_stride", 1)
         if config.perform_initialization:
             config.init_method(self.weight)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Distributed checkpoint: the weight is split over tensor-parallel ranks along dim 0 (groups)."""
+        return sharded_state_dict_with_tp_axes(self, {"weight": 0}, prefix, sharded_offsets, metadata)
 
     def forward(self, o: torch.Tensor) -> torch.Tensor:
         """o: [B, S, local_groups, in_per_group] -> [B, S, local_groups·rank]."""
