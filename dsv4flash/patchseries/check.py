@@ -136,8 +136,12 @@ def run_check(
     """The full check over the selected folders (all with patches when `folders` is empty)."""
     report = CheckReport()
     kwargs = {} if required_folders is None else {"required_folders": required_folders}
-    report.problems += validate(series_map, project_root, **kwargs)
-    report.problems += twin_problems(series_map, registry)
+    if folders:  # only the chosen folders' metadata, and the twins of their distributions
+        chosen = {n: s for n, s in series_map.items() if n in folders}
+        report.problems += validate(chosen, project_root, required_folders=())
+    else:
+        report.problems += validate(series_map, project_root, **kwargs)
+    report.problems += twin_problems(series_map, registry, folders)
     for name, series in series_map.items():
         if folders and name not in folders:
             continue

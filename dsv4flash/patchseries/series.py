@@ -336,15 +336,22 @@ def touched_file(symbol: str, files: tuple[str, ...], prefix: str) -> str | None
     return None
 
 
-def twin_problems(series_map: dict[str, Series], registry) -> list[Problem]:
-    """Both forms must exist and agree: every patch has a registered twin with matching metadata, and back."""
+def twin_problems(series_map: dict[str, Series], registry, folders: tuple[str, ...] = ()) -> list[Problem]:
+    """Both forms must exist and agree: every patch has a registered twin with matching metadata, and back.
+
+    With `folders`, only those folders' patches and the twins of their distributions are looked at.
+    """
     out: list[Problem] = []
     patch_ids = set()
-    for series in series_map.values():
+    chosen = {n: s for n, s in series_map.items() if not folders or n in folders}
+    for series in chosen.values():
         for patch in series.patches:
             patch_ids.add(patch.patch_id)
             out += _twin_agrees(series, patch, registry)
+    distributions = {s.base.distribution for s in chosen.values()}
     for twin in registry.all():
+        if folders and twin.meta.distribution not in distributions:
+            continue
         if twin.meta.patch_id not in patch_ids:
             out.append(Problem(twin.meta.module, f"runtime twin {twin.meta.patch_id} has no format-patch in patches/"))
     return out
