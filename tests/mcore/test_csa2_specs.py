@@ -124,3 +124,15 @@ def test_distributed_checkpoint_round_trip(mcore, tmp_path):
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         if torch.is_tensor(a):
             assert torch.equal(a, b), name
+
+
+def test_engram_slot_takes_the_host_pinned_table(mcore):
+    from dsv4flash.integrations.mcore.engram import PinnedEngram
+
+    ref = sup.reference(seed=0)
+    model = sup.megatron_from(ref, engram=PinnedEngram)
+    assert type(model.decoder.layers[1].engram) is PinnedEngram and model.decoder.layers[0].engram is None
+    assert not any(".engram.embed" in name for name, _ in model.named_parameters())  # the table is not a parameter
+    ids = sup.token_ids(1, 40, seed=53)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids), rtol=0, atol=1e-5)

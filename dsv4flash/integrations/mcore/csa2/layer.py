@@ -54,7 +54,8 @@ class CSA2TransformerLayer(TransformerLayer):
             if submodules.engram is None:
                 raise ValueError(f"layer {self.plan.layer_id} has an Engram lookup but its spec has no `engram` "
                                  "submodule")
-            self.engram = build_module(submodules.engram, config=config, engram_index=self.plan.engram_index)
+            # Positional config: Engram implementations name it differently (`config`, `cfg`).
+            self.engram = build_module(submodules.engram, config, engram_index=self.plan.engram_index)
         else:
             self.engram = None
 

@@ -24,6 +24,10 @@ from dsv4flash.config import DSV41FlashConfig
 
 __all__ = ["NamePair", "name_map", "load_reference_state", "shard"]
 
+# State-dict entries with no reference tensor of their own: TE's per-module extra state, and the E8M0 row
+# scales a host-pinned FP8 Engram table derives when its values are loaded.
+_DERIVED = ("._extra_state", ".engram.embed.scale")
+
 
 @dataclass(frozen=True)
 class NamePair:
@@ -129,6 +133,7 @@ def load_reference_state(model: torch.nn.Module, state: Mapping[str, torch.Tenso
     persistent = set(model.state_dict().keys())
     local_experts = cfg.text.n_routed_experts // ep_size
     written: set[str] = set()
+    through_state_dict: dict[str, torch.Tensor] = {}  # tensors held outside parameters()/buffers() (host tables)
     for pair in name_map(cfg):
         name = _megatron_name(pair, ep_rank, local_experts, targets)
         if name is None:
@@ -136,17 +141,25 @@ def load_reference_state(model: torch.nn.Module, state: Mapping[str, torch.Tenso
         missing = [r for r in pair.reference if r not in state]
         if missing:
             raise KeyError(f"reference state has no `{missing[0]}` (needed for Megatron `{name}`)")
-        if name not in targets:
-            raise KeyError(f"Megatron model has no `{name}` (source `{pair.reference[0]}`); was it built from "
-                           "the same config with the local backend?")
         parts = [shard(state[r], pair.layout, tp_rank, tp_size) for r in pair.reference]
         value = torch.cat(parts, dim=0) if pair.layout == "glu" else parts[0]
+        if name not in targets:
+            if name in persistent:  # e.g. a host-pinned Engram table: its own load_state_dict hook copies it
+                through_state_dict[name] = value
+                written.add(name)
+                continue
+            raise KeyError(f"Megatron model has no `{name}` (source `{pair.reference[0]}`); was it built from "
+                           "the same config?")
         target = targets[name]
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"`{pair.reference[0]}` gives {list(value.shape)} for Megatron `{name}`, which is "
                              f"{list(target.shape)}")
         target.copy_(value.to(dtype=target.dtype, device=target.device))
         written.add(name)
-    left = sorted(n for n in persistent if n in targets and n not in written and not n.endswith("._extra_state"))
+    if through_state_dict:
+        result = model.load_state_dict(through_state_dict, strict=False)
+        if result.unexpected_keys:
+            raise KeyError(f"Megatron model did not accept `{result.unexpected_keys[0]}`")
+    left = sorted(n for n in persistent if n not in written and not n.endswith(_DERIVED))
     if left:
         raise KeyError(f"{len(left)} Megatron tensors have no reference source, e.g. `{left[0]}`")
