@@ -30,6 +30,8 @@ from dsv4flash.lifecycle.safetensors_io import iter_payload
 
 __all__ = ["AdapterStore", "GCReport"]
 
+_UNSET: Any = object()  # "no expectation given" (None is a real head value: the policy has no revision yet)
+
 
 @dataclass
 class GCReport:
@@ -73,22 +75,24 @@ class AdapterStore:
         scheduler: Mapping[str, Any] | None = None,
         data_position: Mapping[str, Any] | None = None,
         tags: Iterable[str] = (),
-        expect_head: Any = None,
+        expect_head: Any = _UNSET,
         extra: Mapping[str, Any] | None = None,
     ) -> AdapterRevision:
         """Atomically publish adapter bytes (+ optional trainer state) as the policy's new head.
 
         `parent="head"` (default) chains onto the current head and refuses to move the head if another
-        writer moved it meanwhile (`HeadConflictError`); pass an explicit id to fork, or `None` for a root.
+        writer moved it meanwhile (`HeadConflictError`) — including the very first publish, which
+        expects no head; pass an explicit id to fork, or `None` for a root. `expect_head` overrides the
+        expectation (`ANY_HEAD` to move the head unconditionally).
         """
         prec = self.catalog.policy(policy)
         if parent == "head":
             parent = prec.head
-            if expect_head is None:
-                expect_head = prec.head
+            if expect_head is _UNSET:
+                expect_head = prec.head  # compare-and-set: fail if another writer moved the head meanwhile
         elif parent is not None:
             parent = self.catalog.resolve(parent).id
-        if expect_head is None:
+        if expect_head is _UNSET:
             expect_head = ANY_HEAD
         tensors, fields = revision_tensors(payload)
         manifest = LayoutManifest(policy=policy, base=prec.base, parent=parent, step=step, extra=dict(extra or {}), **fields)

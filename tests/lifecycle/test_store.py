@@ -92,3 +92,16 @@ def test_gc_grace_protects_in_flight_publish(store, adapter_factory):
     # a publish that deduplicates onto an old orphan refreshes its mtime, so gc leaves it alone
     assert store.blobs.put_bytes(b"being published right now") == orphan
     assert store.gc(grace_s=3600).blobs_deleted == 0 and store.blobs.exists(orphan)
+
+
+def test_first_publish_is_compare_and_set_too(tmp_path, base_fp, adapter_factory):
+    """Two writers that both saw an empty policy must not both become its root (regression)."""
+    a = AdapterStore(tmp_path / "s")
+    a.create_policy("pol", base_fp)
+    b = AdapterStore(tmp_path / "s")
+    stale = b.policy("pol")  # b reads the policy while it has no head …
+    first = a.publish("pol", adapter_factory(0))  # … then a publishes the first revision
+    b.catalog.policy = lambda name: stale  # b still acts on what it read
+    with pytest.raises(HeadConflictError, match="expected head None"):
+        b.publish("pol", adapter_factory(1))
+    assert a.policy("pol").head == first.id and a.catalog.count() == 1

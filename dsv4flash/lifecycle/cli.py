@@ -1,0 +1,88 @@
+"""`dsv4flash lifecycle …`: inspect and operate a store from the shell (list, show, log, tag, rollback, gc, export)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from dsv4flash.lifecycle.catalog.base import HEAD
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Subcommands of `dsv4flash lifecycle`."""
+    parser.add_argument("--root", required=True, help="store root (blobs/ and, by default, catalog.sqlite)")
+    parser.add_argument("--catalog", default=None, help="catalog URL (default: <root>/catalog.sqlite; postgresql://… for shared)")
+    sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("policies", help="list policies with head, tags and state")
+    show = sub.add_parser("show", help="one revision: row, lineage, children, evals")
+    show.add_argument("ref", help="revision id, ≥6-hex prefix, policy or policy:tag")
+    log = sub.add_parser("log", help="a policy's revisions, newest first, or a tag's moves")
+    log.add_argument("policy")
+    log.add_argument("--tag", default=None, help="show this tag's move history instead")
+    log.add_argument("-n", type=int, default=20)
+    tag = sub.add_parser("tag", help="point policy:TAG at a revision")
+    tag.add_argument("policy")
+    tag.add_argument("tag")
+    tag.add_argument("ref")
+    rb = sub.add_parser("rollback", help="point a tag (default: the head) at an earlier revision")
+    rb.add_argument("policy")
+    rb.add_argument("--tag", default=HEAD)
+    rb.add_argument("--to", default=None, help="target revision (default: the current one's parent)")
+    gc = sub.add_parser("gc", help="delete bytes no live revision references")
+    gc.add_argument("--grace", type=float, default=3600.0, help="keep unreferenced blobs younger than this (s)")
+    gc.add_argument("--dry-run", action="store_true")
+    ex = sub.add_parser("export", help="write a packed revision as a PEFT (per-expert) or vLLM 3-D directory")
+    ex.add_argument("ref")
+    ex.add_argument("out")
+    ex.add_argument("--layout", choices=("peft", "vllm3d"), default="peft")
+    ex.add_argument("--overwrite", action="store_true")
+
+
+def _short(rev: str | None) -> str:
+    return rev[:12] if rev else "-"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute one subcommand; prints plain text (JSON for `show`)."""
+    from dsv4flash.lifecycle.store import AdapterStore
+
+    with AdapterStore(args.root, args.catalog) as store:
+        cat = store.catalog
+        if args.action == "policies":
+            for name in cat.list_policies():
+                p = cat.policy(name)
+                tags = " ".join(f"{t}={_short(r)}" for t, r in sorted(p.tags.items()))
+                step = p.state.step if p.state else None
+                print(f"{name:24s} head={_short(p.head)} step={step} {tags} rollouts={p.rollout_count} base={p.base}")
+        elif args.action == "show":
+            rev = cat.resolve(args.ref)
+            out = {**rev.__dict__, "meta": dict(rev.meta), "ancestors": [r.id for r in cat.ancestors(rev.id, limit=10)],
+                   "children": [r.id for r in cat.children(rev.id)], "evals": cat.evals(rev.policy, rev.id),
+                   "bytes_present": store.blobs.exists(rev.id)}
+            print(json.dumps(out, indent=2, sort_keys=True))
+        elif args.action == "log":
+            if args.tag:
+                for m in cat.tag_history(args.policy, args.tag)[-args.n:]:
+                    print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.at))} {m.reason:8s} {_short(m.previous)} -> {_short(m.revision)}")
+            else:
+                for r in cat.revisions(args.policy, limit=args.n, include_retired=True):
+                    print(f"{_short(r.id)} parent={_short(r.parent)} step={r.step} {r.format} {r.nbytes}B{' retired' if r.retired else ''}")
+        elif args.action == "tag":
+            print(_short(cat.tag(args.policy, args.tag, args.ref).id))
+        elif args.action == "rollback":
+            print(_short(cat.rollback(args.policy, args.tag, args.to).id))
+        elif args.action == "gc":
+            print(store.gc(grace_s=args.grace, dry_run=args.dry_run))
+        elif args.action == "export":
+            from dsv4flash.lifecycle.export import export_peft, export_vllm_3d
+            from dsv4flash.lifecycle.packed import PackedMoELoRA
+
+            adapter = store.load_adapter(args.ref)
+            if not isinstance(adapter, PackedMoELoRA):
+                raise SystemExit(f"revision {args.ref} is not a packed MoE LoRA revision; only those export to PEFT/vLLM layouts")
+            write = export_peft if args.layout == "peft" else export_vllm_3d
+            print(write(adapter, args.out, overwrite=args.overwrite))
+    return 0
