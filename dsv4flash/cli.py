@@ -11,6 +11,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "census": ("dsv4flash.census_cli", "print or check the release tensor census of a config"),
     "convert": ("dsv4flash_bridge.cli", "convert checkpoints between the release layout and BF16/FP32"),
     "patches": ("dsv4flash.patches_cli", "list, check, apply and audit the upstream patch series"),
+    "lifecycle": ("dsv4flash.lifecycle.cli", "adapter store: list policies, show/log revisions, tag, rollback, gc, export"),
 }
 
 
