@@ -1,0 +1,69 @@
+"""Expert parallelism over 2 gloo ranks: each rank holds half of every layer's routed experts.
+
+Both ranks feed the same micro-batch (they are also the two data-parallel ranks), so the alltoall dispatcher
+sends every token to the rank that owns its experts and back. Logits must equal the single-device reference;
+a rank's routed-expert gradients are those of its experts summed over both ranks' (identical) tokens, i.e.
+twice the reference's; every other gradient is the reference's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.mcore import csa2_support as sup
+from tests.mcore_cpu import parallel
+
+pytestmark = [pytest.mark.upstream, pytest.mark.parity]
+
+
+def _ep_rank(rank: int, world_size: int, expected_path: str) -> None:
+    """One EP rank: its experts' weights, full logits, expert gradients from both ranks' tokens."""
+    from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider, load_reference_state, name_map
+
+    torch.set_num_threads(1)
+    expected = torch.load(expected_path)
+    ref = sup.reference(seed=0)
+    with parallel.model_parallel(ep=world_size, rank=rank, world_size=world_size, seed=1234):
+        model = DSV41ModelProvider(ref.cfg).provide()
+        load_reference_state(model, ref.state_dict(), ep_rank=rank, ep_size=world_size)
+        model.train()
+        assert model.decoder.layers[0].mlp.num_local_experts == ref.cfg.text.n_routed_experts // world_size
+        out = model(expected["ids"])
+        torch.testing.assert_close(out, expected["logits"], rtol=0, atol=2e-5)
+        (out * expected["weights"]).sum().backward()
+        params = dict(model.named_parameters())
+        local = ref.cfg.text.n_routed_experts // world_size
+        for pair in name_map(ref.cfg):
+            want = expected["grads"].get(pair.megatron)
+            if want is None or pair.megatron not in params and pair.expert is None:
+                continue
+            name = pair.megatron
+            if pair.expert is not None:
+                if pair.expert // local != rank:
+                    continue
+                name = name.replace(f"local_experts.{pair.expert}.", f"local_experts.{pair.expert % local}.")
+                want = 2 * want
+            got = params[name].grad
+            err, scale = float((got - want).abs().max()), float(want.abs().max())
+            assert err <= 5e-4 * scale + 1e-7, f"rank {rank} {name}: |Δgrad| {err:.3g} vs {scale:.3g}"
+
+
+def test_two_rank_expert_parallel_equals_single_device(tmp_path):
+    from dsv4flash.integrations.mcore.csa2 import name_map
+
+    with sup.single_thread():
+        ref = sup.reference(seed=0)
+        ids = sup.token_ids(2, 32, seed=81)
+        weights = sup.probe((2, 32, sup.VOCAB), seed=82)
+        logits = ref(ids)
+        (logits * weights).sum().backward()
+        params = dict(ref.named_parameters())
+        grads = {}
+        for pair in name_map(ref.cfg):
+            parts = [params[n].grad if n in params else None for n in pair.reference]
+            if all(p is not None for p in parts):
+                grads[pair.megatron] = torch.cat(parts) if len(parts) > 1 else parts[0]
+        path = tmp_path / "expected.pt"
+        torch.save({"ids": ids, "weights": weights, "logits": logits.detach(), "grads": grads}, path)
+        parallel.spawn_gloo(_ep_rank, 2, str(path))
