@@ -4,6 +4,10 @@ Prompts are right-padded into one buffer; right padding never changes a causal p
 its next-token distribution at its own last position. The log-prob of every sampled token under the
 sampling distribution (temperature applied, like vLLM's processed log-probs) is returned with it: those are
 the rollout log-probs the GRPO correction compares against.
+
+Rows that share a prompt (a GRPO group) and have sampled the same tokens so far have the same next-token
+distribution, so each step runs the model once per distinct (prompt, prefix) and fans the logits out: the
+first token of a group costs one row instead of `group_size`, and short answers collapse further.
 """
 
 from __future__ import annotations
@@ -38,38 +42,55 @@ def generate(forward: ForwardFn, prompts: Sequence[tuple[torch.Tensor, torch.Ten
     from dsv4flash.model.image import TEXT
 
     bsz = len(prompts)
+    # Prompt identity: rows given the very same prompt object (or equal ids/types without images) share it.
+    prompt_key: dict = {}
+    prompt_of = [prompt_key.setdefault(id(p) if p[2] else (tuple(p[0].tolist()), tuple(p[1].tolist())),
+                                       len(prompt_key)) for p in prompts]
     lengths = torch.tensor([int(p[0].numel()) for p in prompts])
     width = int(lengths.max()) + max_new_tokens
     ids = torch.full((bsz, width), pad_id, dtype=torch.int64)
     types = torch.full((bsz, width), TEXT, dtype=torch.int64)
-    images: list = []
+    row_images: list[list] = []
     for b, (p_ids, p_types, p_imgs) in enumerate(prompts):
         ids[b, : p_ids.numel()], types[b, : p_ids.numel()] = p_ids, p_types
-        images.extend(p_imgs)
+        row_images.append(list(p_imgs))
     out_tokens = torch.full((bsz, max_new_tokens), pad_id, dtype=torch.int64)
     out_logp = torch.zeros((bsz, max_new_tokens))
     out_mask = torch.zeros((bsz, max_new_tokens), dtype=torch.bool)
     done = torch.zeros(bsz, dtype=torch.bool)
-    rows = torch.arange(bsz)
     cast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
     for t in range(max_new_tokens):
-        seqlen = int(lengths.max())
+        live = (~done).nonzero().flatten()  # [L]
+        # One model row per distinct (prompt, generated prefix) among the live rows.
+        key_of: dict = {}
+        inverse = torch.tensor([key_of.setdefault((prompt_of[b], tuple(out_tokens[b, :t].tolist())), len(key_of))
+                                for b in live.tolist()])
+        uniq = torch.tensor(_firsts(len(key_of), live.tolist(), inverse))  # [U] a representative row per key
+        seqlen = int(lengths[uniq].max())
         with cast:
-            logits = forward(ids[:, :seqlen], types[:, :seqlen], images)  # [B,seqlen,V]
-        last = logits[rows, lengths - 1].float()  # [B,V]
+            logits = forward(ids[uniq, :seqlen], types[uniq, :seqlen],
+                             [img for b in uniq.tolist() for img in row_images[b]])  # [U,seqlen,V]
+        last = logits[inverse, lengths[live] - 1].float()  # [L,V]
         if temperature > 0:
             logp = torch.log_softmax(last / temperature, dim=-1)
             tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
         else:
             logp = torch.log_softmax(last, dim=-1)
             tok = last.argmax(-1)
-        live = ~done
-        out_tokens[live, t] = tok[live]
-        out_logp[live, t] = logp[rows, tok][live]
+        out_tokens[live, t] = tok
+        out_logp[live, t] = logp[torch.arange(live.numel()), tok]
         out_mask[live, t] = True
-        ids[rows[live], lengths[live]] = tok[live]
-        lengths = lengths + live.long()
-        done = done | (tok == eos_id)
+        ids[live, lengths[live]] = tok
+        lengths[live] += 1
+        done[live] = tok == eos_id
         if bool(done.all()):
             break
     return Rollout(out_tokens, out_logp, out_mask)
+
+
+def _firsts(n_keys: int, rows: list[int], inverse: torch.Tensor) -> list[int]:
+    """The first row of each distinct key, in key order."""
+    first: dict[int, int] = {}
+    for row, k in zip(rows, inverse.tolist()):
+        first.setdefault(k, row)
+    return [first[k] for k in range(n_keys)]

@@ -54,13 +54,19 @@ class GeometryTask(Task):
     multimodal = True
 
     def __init__(self, canvas: int = 126, max_shapes: int = 4, min_size: int = 18, max_size: int = 50,
-                 size_margin: float = 1.3, questions: tuple[str, ...] = QUESTIONS) -> None:
+                 size_margin: float = 1.3, questions: tuple[str, ...] = QUESTIONS,
+                 questions_per_image: int = 1) -> None:
         unknown = set(questions) - set(QUESTIONS)
         if unknown:
             raise ValueError(f"geometry task: unknown question kinds {sorted(unknown)}; expected some of {QUESTIONS}")
+        if questions_per_image < 1:
+            raise ValueError(f"geometry task: questions_per_image must be >= 1, got {questions_per_image}")
         self.canvas, self.max_shapes = canvas, max_shapes
         self.min_size, self.max_size, self.size_margin = min_size, max_size, size_margin
         self.questions = tuple(questions)
+        # >1: earlier questions are asked and answered in the prompt (dense supervision per picture for
+        # pretraining, where every text token is scored); the example's answer is the last one.
+        self.questions_per_image = questions_per_image
 
     def _layout(self, rng: np.random.Generator) -> list[dict]:
         """Non-overlapping shapes with a unique largest one (rejection sampling)."""
@@ -81,21 +87,25 @@ class GeometryTask(Task):
             if len(shapes) == n and (n == 1 or areas[0] >= self.size_margin * areas[1]):
                 return shapes
 
-    def sample(self, rng: np.random.Generator) -> Example:
-        """Draw a picture and one question about it."""
-        shapes = self._layout(rng)
-        image = draw_shapes(shapes, self.canvas)
+    def _question(self, shapes: list[dict], rng: np.random.Generator) -> tuple[str, str, str]:
         question = self.questions[int(rng.integers(len(self.questions)))]
         if question == "count_kind":
             kind = KINDS[int(rng.integers(3))]
-            text, answer = f"how many {PLURAL[kind]} ?", str(sum(s["kind"] == kind for s in shapes))
-        elif question == "count_all":
-            text, answer = "how many shapes ?", str(len(shapes))
-        else:
-            largest = max(shapes, key=lambda s: _area(s["kind"], s["size"]))
-            text, answer = "what colour is the largest shape ?", largest["colour"]
-        return Example(prompt=f"q : <image> {text} a :", answer=answer, images=(image,),
-                       meta={"question": question, "shapes": shapes})
+            return question, f"how many {PLURAL[kind]} ?", str(sum(s["kind"] == kind for s in shapes))
+        if question == "count_all":
+            return question, "how many shapes ?", str(len(shapes))
+        largest = max(shapes, key=lambda s: _area(s["kind"], s["size"]))
+        return question, "what colour is the largest shape ?", largest["colour"]
+
+    def sample(self, rng: np.random.Generator) -> Example:
+        """Draw a picture and `questions_per_image` questions about it (the last one is the example's)."""
+        shapes = self._layout(rng)
+        image = draw_shapes(shapes, self.canvas)
+        asked = [self._question(shapes, rng) for _ in range(self.questions_per_image)]
+        prompt = "q : <image> " + " q : ".join(f"{text} a : {answer}" for _, text, answer in asked[:-1])
+        question, text, answer = asked[-1]
+        prompt = f"{prompt} q : {text} a :" if len(asked) > 1 else f"q : <image> {text} a :"
+        return Example(prompt=prompt, answer=answer, images=(image,), meta={"question": question, "shapes": shapes})
 
     def reward(self, example: Example, response: str) -> float:
         """Exact match of the count or colour word."""

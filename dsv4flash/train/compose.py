@@ -13,7 +13,7 @@ from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from dsv4flash.train.schema import TrainConfig, register_schemas
+from dsv4flash.train.schema import TrainConfig, check_known_keys, register_schemas
 
 RECIPES_PACKAGE = "dsv4flash_recipes"
 PRIMARY = "config"
@@ -69,5 +69,6 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = ()) -> DictCon
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:
-    """The typed run config (dataclasses all the way down), interpolations resolved."""
+    """The typed run config (dataclasses all the way down), interpolations resolved; unknown keys are errors."""
+    check_known_keys(cfg, TrainConfig)
     return OmegaConf.to_object(cfg)

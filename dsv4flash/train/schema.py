@@ -172,7 +172,7 @@ class LocalEngine:
     # greedy-decode the validation set at each evaluation (accuracy / reward)
     eval_generate: bool = True
     # torch threads (0: leave torch's default)
-    threads: int = 2
+    threads: int = 1
     # rich progress bar (auto: only on a terminal)
     progress: str = "auto"
 
@@ -250,3 +250,40 @@ def register_schemas() -> None:
     cs = ConfigStore.instance()
     for (group, name), node in SCHEMAS.items():
         cs.store(group=group, name=name, node=node)
+
+
+class UnknownKeyError(KeyError):
+    """A config key that no schema declares (e.g. a misspelling added with `+`)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown config key"
+
+
+def check_known_keys(node: Any, schema: type | None = None, path: str = "") -> None:
+    """Raise UnknownKeyError for any key of a composed config that its dataclass schema does not declare.
+
+    Hydra lets `+key=value` add keys even to structured nodes and `OmegaConf.to_object` then drops them
+    silently; this walk turns such a typo into an error naming the key and the closest declared one.
+    """
+    import dataclasses
+    import difflib
+
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(node, DictConfig):
+        return
+    schema = schema or OmegaConf.get_type(node)
+    if schema is None or not dataclasses.is_dataclass(schema):
+        return
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {path + '.' if path else ''}{close[0]}?" if close else ""
+            raise UnknownKeyError(f"unknown config key '{where}': {schema.__name__} declares "
+                                  f"{sorted(fields)}{hint}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            child_type = OmegaConf.get_type(child)
+            check_known_keys(child, child_type if dataclasses.is_dataclass(child_type) else None, where)

@@ -218,7 +218,8 @@ def _lora_settings(cfg: Any, mcfg: Any) -> dict[str, Any]:
         raise VerlConfigError(f"LoRA preset {lcfg.preset!r} trains the ViT at {lcfg.vit_lr_mult}x the learning "
                               "rate; veRL's Megatron optimizer has one learning rate, so per-module multipliers "
                               "exist only on engine=local")
-    lora = {"type": "lora", "merge": cfg.lora.merge, "rank": lcfg.rank, "alpha": lcfg.alpha, "dropout": lcfg.dropout,
+    alpha = int(lcfg.alpha) if float(lcfg.alpha).is_integer() else lcfg.alpha
+    lora = {"type": "lora", "merge": cfg.lora.merge, "rank": lcfg.rank, "alpha": alpha, "dropout": lcfg.dropout,
             "target_modules": megatron_lora_targets(mcfg, lcfg), "exclude_modules": [],
             "freeze_vision_model": lcfg.vit == "frozen", "freeze_vision_projection": lcfg.vit == "frozen",
             "freeze_language_model": True, "dtype": None if lcfg.lora_dtype == "float32" else lcfg.lora_dtype}

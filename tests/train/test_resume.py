@@ -1,0 +1,62 @@
+"""Resume after an interruption is bit-identical to an uninterrupted run (SFT and GRPO, local engine)."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dsv4flash.engine import run_local
+from dsv4flash.engine.checkpoint import CheckpointMismatch
+from dsv4flash.tasks import TASKS, ArithmeticTask
+from dsv4flash.train.compose import compose, to_train_config
+
+
+class EvenLength(ArithmeticTask):
+    """Reward 1 when the decoded response has an even number of characters: an untrained model earns it
+    about half the time, so GRPO groups carry signal from the first step."""
+
+    name = "even_length"
+
+    def reward(self, example, response):
+        return 1.0 if len(response) % 2 == 0 else 0.0
+
+SMALL = ["model.base=random", "engine.steps=4", "engine.batch_size=2", "engine.eval_every=2", "engine.log_every=1",
+         "engine.checkpoint_every=2", "data.val_size=4", "engine.eval_generate=false", "engine.progress=off"]
+
+
+def _cfg(algorithm: str, extra=()):
+    over = SMALL + [f"algorithm={algorithm}", "lora.rank=4"] + list(extra)
+    if algorithm == "grpo":
+        over += ["algorithm.group_size=2", "algorithm.mini_batches=2"]
+    return to_train_config(compose("decoder_lora", over))
+
+
+@pytest.mark.parametrize("algorithm", ["sft", "grpo"])
+def test_resume_is_bit_identical(tmp_path, monkeypatch, algorithm):
+    cfg = _cfg(algorithm)
+    if algorithm == "grpo":
+        monkeypatch.setitem(TASKS, "even_length", EvenLength)
+        cfg.data.tasks = {"even_length": 1.0}
+    straight = run_local(cfg, tmp_path / "straight")
+    partial = run_local(cfg, tmp_path / "resumed", stop_after=2)  # "crash" right after the step-2 checkpoint
+    assert partial.adapter_dir is None and partial.summary == {"stopped_at": 2}
+    resumed = run_local(cfg, tmp_path / "resumed")
+    a = load_file(straight.adapter_dir / "adapter_model.safetensors")
+    b = load_file(resumed.adapter_dir / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    drop = {"step_time"}
+    hist = lambda r: [{k: v for k, v in row.items() if k not in drop}  # noqa: E731
+                      for row in map(eval_json, (r.output_dir / "metrics.jsonl").read_text().splitlines())]
+    assert hist(straight) == hist(resumed)
+    assert any(float(v.abs().max()) > 0 for k, v in a.items() if "lora_B" in k)  # it trained
+
+
+def eval_json(line: str) -> dict:
+    import json
+
+    return json.loads(line)
+
+
+def test_resume_refuses_a_checkpoint_of_another_config(tmp_path):
+    run_local(_cfg("sft"), tmp_path / "run", stop_after=2)
+    with pytest.raises(CheckpointMismatch, match="another config"):
+        run_local(_cfg("sft", ["lora.rank=8"]), tmp_path / "run")
