@@ -14,7 +14,7 @@ and batch-first inside.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from megatron.core import tensor_parallel
@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from dsv4flash.integrations.mcore.csa2.comm import all_reduce_sum_autograd
+from dsv4flash.integrations.mcore.csa2.context_parallel import all_reduce_sum_autograd
 from dsv4flash.integrations.mcore.csa2.layout import GroupTable, TokenLayout
 from dsv4flash.integrations.mcore.csa2.modules import (
     GroupedOutputProjection,

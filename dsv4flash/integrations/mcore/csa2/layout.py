@@ -15,7 +15,8 @@ reduced to the same description:
   extended axis, and for every query the first entry of its sequence (`q_base`) and the sequence's entry
   count (`q_count`). Entries of one row are numbered sequence after sequence, group after group.
 
-Everything here is integer bookkeeping: no gradients, closed over by checkpointed chunks.
+Everything here is integer bookkeeping: no gradients, closed over by checkpointed chunks. The CP split and
+the halo exchange itself live in `context_parallel.py`.
 """
 
 from __future__ import annotations
@@ -24,53 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
+
+from dsv4flash.integrations.mcore.csa2.context_parallel import CPSpans, HaloPlan, cp_token_positions
 
 __all__ = ["CPSpans", "GroupTable", "TokenLayout", "build_layout"]
-
-
-@dataclass(frozen=True)
-class CPSpans:
-    """How a context-parallel group splits the global sequence: every rank holds `len(starts[r])` spans."""
-
-    size: int
-    rank: int
-    span_len: int
-    starts: tuple[tuple[int, ...], ...]  # starts[r][i] = global start of rank r's i-th span
-    group: Any = None  # the CP process group (None: the default group)
-
-    @classmethod
-    def build(cls, layout: str, size: int, rank: int, local_len: int, group: Any = None) -> "CPSpans":
-        """'zigzag' = megatron-core's 2·cp chunks (rank r: r and 2cp−1−r); 'contiguous' = one chunk per rank."""
-        if layout == "zigzag":
-            if local_len % 2:
-                raise ValueError(f"zigzag context parallelism needs an even local length, got {local_len}")
-            c = local_len // 2
-            starts = tuple((r * c, (2 * size - 1 - r) * c) for r in range(size))
-        elif layout == "contiguous":
-            c = local_len
-            starts = tuple((r * c,) for r in range(size))
-        else:
-            raise ValueError(f"unknown context-parallel layout {layout!r} (expected 'zigzag' or 'contiguous')")
-        return cls(size=size, rank=rank, span_len=c, starts=starts, group=group)
-
-    @property
-    def global_len(self) -> int:
-        """Length of the whole (unsharded) sequence."""
-        return self.span_len * sum(len(s) for s in self.starts)
-
-    def positions(self, rank: Optional[int] = None) -> torch.Tensor:
-        """Global positions [S_local] of a rank's tokens, in local order."""
-        rank = self.rank if rank is None else rank
-        return torch.cat([torch.arange(s, s + self.span_len) for s in self.starts[rank]])
-
-    def span_ending_at(self, position: int) -> tuple[int, int]:
-        """(rank, span) whose span ends right before global `position`."""
-        for r, starts in enumerate(self.starts):
-            for i, s in enumerate(starts):
-                if s + self.span_len == position:
-                    return r, i
-        raise ValueError(f"no context-parallel span ends at position {position}")
 
 
 @dataclass(frozen=True)
@@ -100,22 +58,6 @@ class GroupTable:
 
 
 @dataclass(frozen=True)
-class HaloPlan:
-    """Which span tails a CP rank reads, and where they go on its extended axis.
-
-    Every rank gathers every rank's span tails and builds its extended axis with one `index_select` from
-    [all tails ‖ local tokens]: the autograd graph then has the same shape on every rank, so the gathers'
-    backward collectives run in the same order everywhere (a rank that skipped an unused gather would hang).
-    """
-
-    cp: CPSpans
-    width: int  # tokens of halo before every span that does not start the sequence
-    # Per local span: (rank, span) whose tail precedes it, or None (sequence start, or this rank's previous span).
-    sources: tuple[Optional[tuple[int, int]], ...]
-    ext_index: torch.Tensor  # [E] index into [all tails (cp·spans·width) ‖ local tokens (S)]
-
-
-@dataclass(frozen=True)
 class TokenLayout:
     """Per-forward token bookkeeping shared by every CSA2 layer (see the module docstring)."""
 
@@ -140,28 +82,11 @@ class TokenLayout:
 
     def extend(self, local: torch.Tensor) -> torch.Tensor:
         """Local per-token tensor [B, S, ...] -> [B, E, ...] with the halo spans (differentiable under CP)."""
-        if self.halo is None:
-            return local
-        from dsv4flash.integrations.mcore.csa2.comm import all_gather_autograd
-
-        return _assemble(self.halo, local, lambda tails: all_gather_autograd(tails, self.halo.cp.group))
+        return local if self.halo is None else self.halo.extend(local)
 
     def extend_ids(self, local: torch.Tensor) -> torch.Tensor:
         """Like `extend` for integer tensors (token ids, token types); no autograd."""
-        if self.halo is None:
-            return local
-        from dsv4flash.integrations.mcore.csa2.comm import all_gather_tensors
-
-        return _assemble(self.halo, local, lambda tails: all_gather_tensors(tails, self.halo.cp.group))
-
-
-def _assemble(plan: HaloPlan, local: torch.Tensor, gather) -> torch.Tensor:
-    c, width = plan.cp.span_len, plan.width
-    spans = local.shape[1] // c
-    tails = torch.stack([local[:, i * c + c - width: i * c + c] for i in range(spans)])  # [spans,B,W,...]
-    gathered = gather(tails.contiguous())  # [cp, spans, B, W, ...]
-    tails_all = gathered.movedim(2, 0).flatten(1, 3)  # [B, cp·spans·W, ...]
-    return torch.cat([tails_all, local], dim=1).index_select(1, plan.ext_index)
+        return local if self.halo is None else self.halo.extend(local, differentiable=False)
 
 
 def _segments_from_padding(valid: torch.Tensor) -> None:
@@ -279,38 +204,9 @@ def build_layout(batch: int, seq_len: int, ratios: Sequence[int], *, halo_width:
         lengths = [[int(n)] for n in valid.sum(dim=1).tolist()]
         return _finish(seq, pos, seq, pos, None, ratios, lengths, device)
 
-    # Context parallel: local tokens are spans of the global sequence; padding is a global suffix.
-    if seq_len != cp.span_len * len(cp.starts[cp.rank]):
-        raise ValueError(f"context parallel: local length {seq_len} does not match the {cp.size}-rank split")
-    if halo_width > cp.span_len:
-        raise ValueError(f"context parallel: each span holds {cp.span_len} tokens but the CSA2 layers need "
-                         f"{halo_width} tokens of halo; use fewer CP ranks or longer sequences")
-    pos = cp.positions().to(device).expand(batch, seq_len).contiguous()
-    last = torch.where(valid, pos + 1, torch.zeros_like(pos)).amax(dim=1)  # [B]
-    dist.all_reduce(last, op=dist.ReduceOp.MAX, group=cp.group)
-    if bool((valid != (pos < last.unsqueeze(1))).any()):
-        raise ValueError("context parallel: padding_mask must mark a suffix of each global row (right padding)")
-    seq = torch.where(valid, torch.zeros_like(pos), torch.full_like(pos, -1))
-    sources = tuple(None if s == 0 or cp.span_ending_at(s) == (cp.rank, i - 1) else cp.span_ending_at(s)
-                    for i, s in enumerate(cp.starts[cp.rank]))  # no halo after this rank's own previous span
-    n_spans, c = len(cp.starts[cp.rank]), cp.span_len
-    ext_pos_parts, ext_index, local_slots, offset = [], [], [], 0
-    for i, start in enumerate(cp.starts[cp.rank]):
-        if sources[i] is not None:
-            r, j = sources[i]
-            ext_pos_parts.append(torch.arange(start - halo_width, start))
-            ext_index.append((r * n_spans + j) * halo_width + torch.arange(halo_width))
-            offset += halo_width
-        ext_pos_parts.append(torch.arange(start, start + c))
-        ext_index.append(cp.size * n_spans * halo_width + i * c + torch.arange(c))
-        local_slots.append(torch.arange(offset, offset + c))
-        offset += c
-    plan = HaloPlan(cp=cp, width=halo_width, sources=sources, ext_index=torch.cat(ext_index).to(device))
-    ext_pos = torch.cat(ext_pos_parts).to(device).expand(batch, -1).contiguous()
-    ext_seq = torch.where(ext_pos < last.unsqueeze(1), torch.zeros_like(ext_pos), torch.full_like(ext_pos, -1))
-    lengths = [[int(n)] for n in last.tolist()]
-    return _finish(seq, pos, ext_seq, ext_pos, plan, ratios, lengths, device,
-                   local_slots=torch.cat(local_slots).to(device))
+    seq, pos, ext_seq, ext_pos, plan, local_slots, lengths = cp_token_positions(cp, batch, seq_len, valid,
+                                                                                halo_width, device)
+    return _finish(seq, pos, ext_seq, ext_pos, plan, ratios, lengths, device, local_slots=local_slots)
 
 
 def _finish(seq, pos, ext_seq, ext_pos, halo, ratios, lengths, device, local_slots=None) -> TokenLayout:
