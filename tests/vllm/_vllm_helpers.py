@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import tempfile
+from collections.abc import Iterator, Sequence
 
 import torch
+
+
+@contextlib.contextmanager
+def cpu_env() -> Iterator[object]:
+    """A current VllmConfig plus vLLM's distributed env (gloo, TP=1), torn down afterwards."""
+    import pytest
+    import torch.distributed as dist
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    if dist.is_initialized():
+        pytest.skip("another test left a torch.distributed process group alive")
+    config = VllmConfig()
+    with set_current_vllm_config(config), tempfile.TemporaryDirectory(prefix="vllm-gloo-") as tmp:
+        ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{tmp}/rdzv",
+                                        local_rank=0, backend="gloo")
+        ps.initialize_model_parallel(1, 1)
+        try:
+            yield config
+        finally:
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
 
 
 def lora_config(max_loras: int = 2, rank: int = 8, **kw):

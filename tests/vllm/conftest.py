@@ -8,7 +8,6 @@ tears down, so megatron-core tests in the same session can build their own proce
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 
@@ -28,19 +27,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 def vllm_cpu():
     """A current VllmConfig plus vLLM's distributed env (gloo, TP=1) for building real vLLM layers."""
     pytest.importorskip("vllm", reason="vllm is not installed")
-    import torch.distributed as dist
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
+    from tests.vllm._vllm_helpers import cpu_env
 
-    if dist.is_initialized():
-        pytest.skip("another test left a torch.distributed process group alive")
-    config = VllmConfig()
-    with set_current_vllm_config(config), tempfile.TemporaryDirectory(prefix="vllm-gloo-") as tmp:
-        ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{tmp}/rdzv",
-                                        local_rank=0, backend="gloo")
-        ps.initialize_model_parallel(1, 1)
-        try:
-            yield config
-        finally:
-            ps.destroy_model_parallel()
-            ps.destroy_distributed_environment()
+    with cpu_env() as config:
+        yield config

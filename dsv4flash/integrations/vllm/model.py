@@ -41,7 +41,7 @@ class DeepseekV41ForCausalLMWithLoRA(DeepseekV41ForCausalLM, SupportsLoRA):
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         from dsv4flash.integrations.vllm import register
 
-        register()  # the call-site twins must be live in whichever process builds the model
+        register(model_code=True)  # the call-site twins must be live in whichever process builds the model
         lora = vllm_config.lora_config
         if lora is not None and lora.enable_tower_connector_lora and \
                 getattr(vllm_config.compilation_config, "cudagraph_mm_encoder", False):

@@ -1,0 +1,69 @@
+"""veRL integration: `register()` applies the veRL runtime twins (lazy, idempotent).
+
+veRL loads `verl.plugins` entry points on `import verl` by *importing* them (it never calls anything), so
+the entry point names the module `dsv4flash.integrations.verl.plugin`, whose import calls `register()`.
+Each twin is applied when the veRL module it patches is imported (`TRIGGERS`; at once if it already is), so
+a process never imports what it does not use. A twin whose module cannot be imported in this process (no
+vLLM on a trainer node, no megatron-core on a rollout node) is skipped and reported, never half-applied:
+
+* DSV41-VERL-001 — in-memory adapter loader for vLLM 0.33 (`get_rename_mapper`, `mtp.` skip, EP filtering,
+  3-D MoE flag, validations), installed by chaining `VLLMHijack.hijack`;
+* DSV41-VERL-002 — MXFP4 MoE refit unwraps vLLM's LoRA `FusedMoEModularMethod`;
+* DSV41-VERL-003 — unmerged sync reconciles `.base_layer.` names by probing the live loader;
+* DSV41-VERL-004 — text-only R3 routing replay for image-span sequences;
+* DSV41-VERL-005 — adapter syncs reset vLLM's encoder cache (vision outputs are adapter-dependent).
+
+See docs/verl.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger("dsv4flash.verl")
+DISTRIBUTION = "verl"
+_lock = threading.Lock()
+
+
+# The veRL module whose import makes each twin applicable (and that the twin patches or feeds).
+TRIGGERS = {
+    "DSV41-VERL-001": "verl.workers.rollout.vllm_rollout.utils",  # before its worker extension runs the hijack
+    "DSV41-VERL-002": "verl.utils.vllm.vllm_quant_utils",
+    "DSV41-VERL-003": "verl.workers.rollout.vllm_rollout.utils",
+    "DSV41-VERL-004": "verl.workers.engine.megatron.transformer_impl",
+    "DSV41-VERL-005": "verl.workers.rollout.vllm_rollout.vllm_async_server",
+}
+OUTCOMES: dict = {}
+
+
+def apply(patch_id: str):
+    """Apply one veRL twin now; records and returns its `Outcome` (or the ImportError that skipped it)."""
+    from dsv4flash import _patching
+
+    with _lock:
+        registry = _patching.discover()
+        try:
+            outcome = registry.get(patch_id).apply(registry=registry)
+        except ImportError as exc:  # the module it patches needs a package this process lacks
+            log.info("%s skipped here: %s", patch_id, exc)
+            outcome = exc
+        OUTCOMES[patch_id] = outcome
+        return outcome
+
+
+def register(now: bool = False) -> dict:
+    """Schedule every veRL twin for when its module is imported (`now=True`: apply all at once)."""
+    from dsv4flash import _patching
+    from dsv4flash.integrations.verl.post_import import when_imported
+
+    twins = [t.meta.patch_id for t in _patching.discover().all() if t.meta.distribution == DISTRIBUTION]
+    missing = sorted(set(twins) - set(TRIGGERS))
+    if missing:
+        raise RuntimeError(f"veRL twins without an import trigger: {missing}")
+    for patch_id in twins:
+        if now:
+            apply(patch_id)
+        else:
+            when_imported(TRIGGERS[patch_id], lambda pid=patch_id: apply(pid))
+    return dict(OUTCOMES)

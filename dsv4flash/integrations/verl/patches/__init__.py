@@ -1,0 +1,13 @@
+"""Runtime twins for veRL 0.9.1, one module per upstream change (Patch-Id `DSV41-VERL-NNN`).
+
+| Patch-Id       | module                | change                                                        |
+|----------------|-----------------------|---------------------------------------------------------------|
+| DSV41-VERL-001 | `tensor_lora_loader`  | in-memory adapter loader for vLLM 0.33, chained after veRL's hijack |
+| DSV41-VERL-002 | `mxfp4_refit_lora`    | MXFP4 MoE refit unwraps LoRA's modular quant method            |
+| DSV41-VERL-003 | `base_layer_naming`   | unmerged sync probes the loader's `.base_layer.` naming         |
+| DSV41-VERL-004 | `r3_text_only`        | text-only R3 routing replay (row map + native image rows)      |
+| DSV41-VERL-005 | `encoder_cache_reset` | adapter syncs reset vLLM's encoder cache                       |
+
+The upstream form of each lives in `patches/verl/` under the same Patch-Id. Importing these modules never
+imports veRL; `install()` does.
+"""

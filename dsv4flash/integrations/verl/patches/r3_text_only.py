@@ -1,0 +1,77 @@
+"""Runtime twin of DSV41-VERL-004: R3 replays text rows at their expanded positions; image rows route natively.
+
+Why: vLLM records the experts of each token of the compact prompt (one placeholder per image) and veRL's R3
+(`align_r3_router_replay_data`, `build_r3_replay_mask`) lines routes up with the training inputs row for row.
+DeepSeek-V4.1 trains on the expanded sequence, where each image is a span routed with the image bias
+`bias_vl`: rows no longer line up (R3 fails, or replays text routes onto image rows), and image rows must not
+be replayed at all (P26). veRL's own router patch on megatron-core 0.19.2 additionally rejects sqrtsoftplus
+and skips the expert bias (P28), so the routes must be replayed through dsv4flash's `ModalityTopKRouter`.
+
+How: a batch may carry `r3_row_map` (nested, the training row of each recorded route row, −1 = none) and
+`r3_native_rows` (nested, rows that always route natively), built by `dsv4flash.replay.r3_batch_keys`.
+`MegatronEngineWithLMHead.prepare_model_inputs` stashes them for the micro-batch; `align_r3_router_replay_data`
+scatters the recorded rows to their training rows and `build_r3_replay_mask` keeps veRL's causal rule on the
+rows that have a recorded route and are not image rows. Batches without the keys behave exactly as before.
+"""
+
+from __future__ import annotations
+
+from dsv4flash._patching import Patcher, runtime_patch
+
+TOUCHES = (
+    "verl.utils.megatron.router_replay_utils.align_r3_router_replay_data",
+    "verl.utils.megatron.router_replay_utils.build_r3_replay_mask",
+    "verl.workers.engine.megatron.transformer_impl.MegatronEngineWithLMHead.prepare_model_inputs",
+)
+
+
+def upstream_replays_text_only() -> bool:
+    """Probe: does veRL's R3 alignment know the `r3_row_map` batch key?"""
+    import inspect
+
+    from verl.utils.megatron import router_replay_utils
+
+    return "r3_row_map" in inspect.getsource(router_replay_utils)
+
+
+@runtime_patch(
+    patch_id="DSV41-VERL-004",
+    target="verl-project/verl",
+    distribution="verl",
+    versions=">=0.9.1,<0.10.0",
+    touches=TOUCHES,
+    upstream_status="Pending",
+    forwarded="no",
+    remove_when="verl>=0.10.0",
+    gate="DSV4FLASH_VERL_R3_TEXT_ONLY",
+    tests=("tests/verl/test_r3_megatron.py",),
+    upstream_has_it=upstream_replays_text_only,
+)
+def install(patcher: Patcher) -> None:
+    """Replace the two R3 functions (in both namespaces) and stash the keys in `prepare_model_inputs`."""
+    from verl.utils.megatron import router_replay_utils
+    from verl.workers.engine.megatron import transformer_impl
+
+    from dsv4flash.integrations.verl import replay
+
+    align, build = router_replay_utils.align_r3_router_replay_data, router_replay_utils.build_r3_replay_mask
+
+    def align_r3_router_replay_data(layers_topk_idx, input_ids):
+        """veRL's alignment, or the text-only one when the micro-batch carries `r3_row_map`."""
+        return replay.align_routes(layers_topk_idx, input_ids, align)
+
+    def build_r3_replay_mask(input_ids, response_mask):
+        """veRL's mask, restricted to recorded text rows when the micro-batch carries the keys."""
+        return replay.replay_mask(input_ids, response_mask, build)
+
+    prepare = transformer_impl.MegatronEngineWithLMHead.prepare_model_inputs
+
+    def prepare_model_inputs(self, batch):
+        """veRL's inputs; also stash the micro-batch's text-only replay keys."""
+        replay.stash_micro_batch(batch)
+        return prepare(self, batch)
+
+    for module in (router_replay_utils, transformer_impl):
+        patcher.replace(module, "align_r3_router_replay_data", align_r3_router_replay_data)
+        patcher.replace(module, "build_r3_replay_mask", build_r3_replay_mask)
+    patcher.replace(transformer_impl.MegatronEngineWithLMHead, "prepare_model_inputs", prepare_model_inputs)

@@ -1,0 +1,16 @@
+"""`verl.plugins` entry point: veRL imports this module on `import verl`; importing it applies the twins.
+
+veRL swallows plugin import errors at DEBUG level, so failures are logged here at WARNING instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+try:
+    from dsv4flash.integrations.verl import register
+
+    OUTCOMES = register()
+except Exception:  # pragma: no cover - reported, never raised into `import verl`
+    logging.getLogger("dsv4flash.verl").warning("dsv4flash veRL plugin failed to apply its patches", exc_info=True)
+    OUTCOMES = {}

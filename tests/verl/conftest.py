@@ -1,0 +1,38 @@
+"""veRL-on-CPU fixtures and the both-forms patch harness for tests/verl.
+
+verl 0.9.1 imports without a GPU; its vLLM-side modules need vLLM importable on CPU (`VLLM_TARGET_DEVICE=cpu`,
+set by the suite conftest) and its Megatron-side ones megatron-core with the CUDA redirect (tests/mcore_cpu).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dsv4flash.patchseries.testing import (  # noqa: F401  (pytest hooks and the patch_form fixture)
+    patch_form,
+    pytest_collection_modifyitems,
+    pytest_generate_tests,
+    pytest_pyfunc_call,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+)
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu():
+    """vLLM's config + distributed env (gloo, TP=1)."""
+    pytest.importorskip("vllm", reason="vllm is not installed")
+    from tests.vllm._vllm_helpers import cpu_env
+
+    with cpu_env() as config:
+        yield config
+
+
+@pytest.fixture
+def mcore_parallel():
+    """Single-rank gloo group + `initialize_model_parallel(1, 1)` under the CUDA redirect (megatron-core on CPU)."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from tests.mcore_cpu import parallel
+
+    with parallel.model_parallel(seed=1234):
+        yield parallel
