@@ -19,6 +19,7 @@ import importlib
 _EXPORTS = {
     "AdapterRevision": "dsv4flash.lifecycle.revision",
     "LayoutManifest": "dsv4flash.lifecycle.revision",
+    "read_revision_file": "dsv4flash.lifecycle.revision",
     "PolicyRecord": "dsv4flash.lifecycle.catalog.base",
     "RevisionRecord": "dsv4flash.lifecycle.catalog.base",
     "StateRecord": "dsv4flash.lifecycle.catalog.base",

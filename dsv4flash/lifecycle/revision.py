@@ -18,9 +18,10 @@ import torch
 from dsv4flash.lifecycle.errors import AdapterFormatError
 from dsv4flash.lifecycle.fingerprint import BaseFingerprint, check_compatible
 from dsv4flash.lifecycle.packed import PackedMoELoRA
-from dsv4flash.lifecycle.safetensors_io import SafetensorsHeader, encode_header, iter_payload, read_safetensors
+from dsv4flash.lifecycle.safetensors_io import SafetensorsHeader, encode_header, read_safetensors
 
-__all__ = ["LayoutManifest", "AdapterRevision", "FORMATS", "MANIFEST_KEY", "revision_tensors", "manifest_from_header", "decode_adapter"]
+__all__ = ["LayoutManifest", "AdapterRevision", "FORMATS", "MANIFEST_KEY", "revision_tensors", "encode_revision", "manifest_from_header",
+           "decode_adapter", "read_revision_file"]
 
 MANIFEST_KEY = "dsv4flash.manifest"
 # packed_moe_lora: PackedMoELoRA tensors. lora: any flat `*.lora_A/B.weight` set (e.g. per-expert).
@@ -102,15 +103,6 @@ def encode_revision(tensors: Mapping[str, torch.Tensor], manifest: LayoutManifes
     head, order = encode_header(tensors, {"format": "pt", MANIFEST_KEY: manifest.to_json()})
     size = len(head) + sum(tensors[n].numel() * tensors[n].element_size() for n in order)
     return head, order, size
-
-
-def write_revision(writer, tensors: Mapping[str, torch.Tensor], manifest: LayoutManifest) -> int:
-    """Stream a revision file into a blob writer; returns its size."""
-    head, order, size = encode_revision(tensors, manifest)
-    writer.write(head)
-    for chunk in iter_payload(tensors, order):
-        writer.write(chunk)
-    return size
 
 
 def manifest_from_header(header: SafetensorsHeader, *, source: str) -> LayoutManifest:

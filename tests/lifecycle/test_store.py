@@ -105,3 +105,16 @@ def test_first_publish_is_compare_and_set_too(tmp_path, base_fp, adapter_factory
     with pytest.raises(HeadConflictError, match="expected head None"):
         b.publish("pol", adapter_factory(1))
     assert a.policy("pol").head == first.id and a.catalog.count() == 1
+
+
+def test_revision_file_is_readable_outside_the_store(store, adapter_factory, base_fp, other_fp, tmp_path):
+    from dsv4flash.lifecycle.errors import BaseMismatchError
+    from dsv4flash.lifecycle.revision import read_revision_file
+
+    rev = store.publish("pol", adapter_factory(3), step=9)
+    copy = tmp_path / "copied.safetensors"
+    copy.write_bytes(store.blobs.path(rev.id).read_bytes())
+    tensors, manifest, _ = read_revision_file(copy, resident_base=base_fp)
+    assert manifest == rev.manifest and manifest.step == 9 and len(tensors) == rev.n_tensors
+    with pytest.raises(BaseMismatchError, match="copied.safetensors"):
+        read_revision_file(copy, resident_base=other_fp)

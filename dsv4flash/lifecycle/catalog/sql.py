@@ -16,13 +16,14 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping
 
-from dsv4flash.lifecycle.catalog.base import ANY_HEAD, HEAD, Catalog, PolicyRecord, RevisionRecord, StateRecord, TagMove
+from dsv4flash.lifecycle.catalog.base import ANY_HEAD, HEAD, Catalog, PolicyRecord, RevisionRecord, StateRecord
+from dsv4flash.lifecycle.catalog.schema import DDL, SCHEMA_VERSION, TAG, dumps
+from dsv4flash.lifecycle.catalog.sql_state import ServiceStateSQL
 from dsv4flash.lifecycle.errors import (
     BaseMismatchError,
     HeadConflictError,
     LifecycleError,
     PolicyNotFoundError,
-    ReferencedRevisionError,
     RevisionNotFoundError,
 )
 from dsv4flash.lifecycle.faults import crashpoint
@@ -30,47 +31,12 @@ from dsv4flash.lifecycle.fingerprint import BaseFingerprint
 
 __all__ = ["SQLCatalog", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
 _REV_COLS = "id, policy, parent, base, format, nbytes, n_tensors, step, created, retired, meta"
 _HEX = re.compile(r"[0-9a-f]{6,64}")
-_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
-
-_DDL = """
-CREATE TABLE IF NOT EXISTS catalog_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS policies (
-  name TEXT PRIMARY KEY, base TEXT NOT NULL, base_summary TEXT NOT NULL, head TEXT,
-  created {REAL} NOT NULL, updated {REAL} NOT NULL, meta TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS revisions (
-  id TEXT PRIMARY KEY, policy TEXT NOT NULL, parent TEXT, base TEXT NOT NULL, format TEXT NOT NULL,
-  nbytes {BIGINT} NOT NULL, n_tensors {BIGINT} NOT NULL, step {BIGINT}, created {REAL} NOT NULL,
-  retired INTEGER NOT NULL DEFAULT 0, meta TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS revisions_parent ON revisions (parent);
-CREATE INDEX IF NOT EXISTS revisions_policy ON revisions (policy, created);
-CREATE TABLE IF NOT EXISTS states (
-  policy TEXT NOT NULL, revision TEXT NOT NULL, step {BIGINT}, state_blob TEXT, scheduler TEXT NOT NULL,
-  data_position TEXT NOT NULL, created {REAL} NOT NULL, PRIMARY KEY (policy, revision));
-CREATE TABLE IF NOT EXISTS tags (
-  policy TEXT NOT NULL, tag TEXT NOT NULL, revision TEXT NOT NULL, updated {REAL} NOT NULL,
-  PRIMARY KEY (policy, tag));
-CREATE INDEX IF NOT EXISTS tags_revision ON tags (revision);
-CREATE TABLE IF NOT EXISTS tag_log (
-  seq {SERIAL}, policy TEXT NOT NULL, tag TEXT NOT NULL, revision TEXT NOT NULL, previous TEXT,
-  at {REAL} NOT NULL, reason TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS tag_log_policy ON tag_log (policy, tag, seq);
-CREATE TABLE IF NOT EXISTS rollouts (
-  seq {SERIAL}, policy TEXT NOT NULL, revision TEXT NOT NULL, record TEXT NOT NULL, at {REAL} NOT NULL);
-CREATE INDEX IF NOT EXISTS rollouts_policy ON rollouts (policy, revision, seq);
-CREATE TABLE IF NOT EXISTS evals (
-  policy TEXT NOT NULL, revision TEXT NOT NULL, metric TEXT NOT NULL, value {REAL} NOT NULL, step {BIGINT},
-  at {REAL} NOT NULL, PRIMARY KEY (policy, revision, metric));
-"""
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj if obj is not None else {}, sort_keys=True, separators=(",", ":"))
 
-
-class SQLCatalog(Catalog):
+class SQLCatalog(ServiceStateSQL, Catalog):
     """Dialect-neutral catalog; subclasses provide the connection and the dialect bits."""
 
     placeholder = "?"
@@ -133,7 +99,7 @@ class SQLCatalog(Catalog):
     def _ensure_schema(self) -> None:
         def create(cur):
             self._schema_lock(cur)
-            for stmt in _DDL.format(**self.types).split(";"):
+            for stmt in DDL.format(**self.types).split(";"):
                 if stmt.strip():
                     cur.execute(stmt)
             row = self._x(cur, "SELECT value FROM catalog_meta WHERE key = ?", ("schema_version",)).fetchone()
@@ -187,7 +153,7 @@ class SQLCatalog(Catalog):
     # ---- policies ----
     def create_policy(self, name: str, base: BaseFingerprint, meta: Mapping[str, Any] | None = None, *, exist_ok: bool = True) -> PolicyRecord:
         """Create a policy on a base (or return it if it exists on the same base and `exist_ok`)."""
-        if not _TAG.fullmatch(name):
+        if not TAG.fullmatch(name):
             raise ValueError(f"policy name {name!r}: use letters, digits, '_', '-', '.' (max 128)")
 
         def create(cur):
@@ -200,7 +166,7 @@ class SQLCatalog(Catalog):
                 return
             now = time.time()
             self._x(cur, "INSERT INTO policies (name, base, base_summary, head, created, updated, meta) VALUES (?, ?, ?, NULL, ?, ?, ?) "
-                         "ON CONFLICT (name) DO NOTHING", (name, base.digest, base.summary, now, now, _dumps(meta)))
+                         "ON CONFLICT (name) DO NOTHING", (name, base.digest, base.summary, now, now, dumps(meta)))
 
         self._run(create, write=True)
         return self.policy(name)
@@ -234,7 +200,7 @@ class SQLCatalog(Catalog):
         """Atomically add a revision (idempotent), its trainer state, head move and tags."""
         tags = list(tags)
         for t in tags:
-            if t == HEAD or not _TAG.fullmatch(t):
+            if t == HEAD or not TAG.fullmatch(t):
                 raise ValueError(f"tag {t!r}: reserved or malformed (letters, digits, '_', '-', '.')")
 
         def reg(cur):
@@ -249,14 +215,14 @@ class SQLCatalog(Catalog):
             if existing is None:
                 self._x(cur, f"INSERT INTO revisions ({_REV_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
                         (rev.id, rev.policy, rev.parent, rev.base, rev.format, rev.nbytes, rev.n_tensors, rev.step,
-                         rev.created or time.time(), _dumps(rev.meta)))
+                         rev.created or time.time(), dumps(rev.meta)))
             elif existing.retired:
                 self._x(cur, "UPDATE revisions SET retired = 0 WHERE id = ?", (rev.id,))
             if state is not None:
                 self._x(cur, "INSERT INTO states (policy, revision, step, state_blob, scheduler, data_position, created) VALUES (?, ?, ?, ?, ?, ?, ?) "
                              "ON CONFLICT (policy, revision) DO UPDATE SET step = excluded.step, state_blob = excluded.state_blob, "
                              "scheduler = excluded.scheduler, data_position = excluded.data_position, created = excluded.created",
-                        (state.policy, state.revision, state.step, state.state_blob, _dumps(state.scheduler), _dumps(state.data_position), time.time()))
+                        (state.policy, state.revision, state.step, state.state_blob, dumps(state.scheduler), dumps(state.data_position), time.time()))
             record = self._rev_or_none(cur, rev.id)
             if move_head and prow[3] != rev.id:
                 self._point(cur, rev.policy, HEAD, record, "publish")
@@ -279,7 +245,7 @@ class SQLCatalog(Catalog):
 
         for rev in revs:
             rows.append((rev.id, rev.policy, rev.parent, rev.base, rev.format, rev.nbytes, rev.n_tensors, rev.step,
-                         rev.created or time.time(), _dumps(rev.meta)))
+                         rev.created or time.time(), dumps(rev.meta)))
             last[rev.policy] = rev.id
             if len(rows) >= batch:
                 added += self._run(flush, write=True)
@@ -351,131 +317,6 @@ class SQLCatalog(Catalog):
     def count(self) -> int:
         """Number of registered revisions."""
         return int(self._run(lambda cur: self._x(cur, "SELECT COUNT(*) FROM revisions").fetchone()[0], write=False))
-
-    # ---- tags ----
-    def tag(self, policy: str, tag: str, ref: str, *, reason: str = "tag") -> RevisionRecord:
-        """Point `policy:tag` at a revision (moving `head` is `tag(policy, "head", …)`)."""
-        if tag != HEAD and not _TAG.fullmatch(tag):
-            raise ValueError(f"tag {tag!r}: use letters, digits, '_', '-', '.'")
-        def move(cur):
-            rev = self._resolve(cur, ref)
-            self._point(cur, policy, tag, rev, reason)
-            return rev
-
-        return self._run(move, write=True)
-
-    def tags(self, policy: str) -> dict[str, str]:
-        """Tag name -> revision id (without `head`)."""
-        return self.policy(policy).tags
-
-    def tag_history(self, policy: str, tag: str = HEAD) -> list[TagMove]:
-        """Every move of a tag, oldest first."""
-        rows = self._run(lambda cur: self._x(cur, "SELECT seq, policy, tag, revision, previous, at, reason FROM tag_log "
-                                                  "WHERE policy = ? AND tag = ? ORDER BY seq", (policy, tag)).fetchall(), write=False)
-        return [TagMove(int(r[0]), r[1], r[2], r[3], r[4], float(r[5]), r[6]) for r in rows]
-
-    def rollback(self, policy: str, tag: str = HEAD, to: str | None = None) -> RevisionRecord:
-        """Point a tag (default the head) at an earlier revision: `to`, or the current one's parent."""
-        def rb(cur):
-            prow = self._policy_row(cur, policy, lock=True)
-            if tag == HEAD:
-                current = prow[3]
-            else:
-                row = self._x(cur, "SELECT revision FROM tags WHERE policy = ? AND tag = ?", (policy, tag)).fetchone()
-                current = row[0] if row else None
-            if current is None:
-                raise RevisionNotFoundError(f"policy {policy!r} has no {tag!r} revision to roll back")
-            if to is None:
-                cur_rev = self._rev_or_none(cur, current)
-                if cur_rev is None or cur_rev.parent is None:
-                    raise LifecycleError(f"{policy}:{tag} is at root revision {current[:12]}; there is nothing earlier to roll back to")
-                target = self._rev_or_none(cur, cur_rev.parent)
-            else:
-                target = self._resolve(cur, to)
-            self._point(cur, policy, tag, target, "rollback")
-            return target
-
-        return self._run(rb, write=True)
-
-    # ---- service state ----
-    def _state(self, cur, policy: str, rev_id: str) -> StateRecord | None:
-        row = self._x(cur, "SELECT policy, revision, step, state_blob, scheduler, data_position, created FROM states "
-                           "WHERE policy = ? AND revision = ?", (policy, rev_id)).fetchone()
-        if row is None:
-            return None
-        return StateRecord(row[0], row[1], None if row[2] is None else int(row[2]), row[3], json.loads(row[4]), json.loads(row[5]), float(row[6]))
-
-    def state(self, policy: str, rev_id: str) -> StateRecord | None:
-        """Trainer state saved with a revision, if any."""
-        return self._run(lambda cur: self._state(cur, policy, rev_id), write=False)
-
-    def add_rollouts(self, policy: str, rev_id: str, records: Iterable[Mapping[str, Any]]) -> int:
-        """Append rollout records (JSON objects) produced by a revision."""
-        now = time.time()
-        rows = [(policy, rev_id, _dumps(r), now) for r in records]
-
-        def add(cur):
-            self._policy_row(cur, policy, lock=True)
-            if self._rev_or_none(cur, rev_id) is None:
-                raise RevisionNotFoundError(f"rollouts name revision {rev_id}, which is not registered")
-            cur.executemany(self._sql("INSERT INTO rollouts (policy, revision, record, at) VALUES (?, ?, ?, ?)"), rows)
-            return len(rows)
-
-        return self._run(add, write=True)
-
-    def rollouts(self, policy: str, rev_id: str | None = None, *, limit: int = 1000) -> list[dict[str, Any]]:
-        """Rollout records, oldest first."""
-        if rev_id is None:
-            sql, params = "SELECT record FROM rollouts WHERE policy = ? ORDER BY seq LIMIT ?", (policy, limit)
-        else:
-            sql, params = "SELECT record FROM rollouts WHERE policy = ? AND revision = ? ORDER BY seq LIMIT ?", (policy, rev_id, limit)
-        return [json.loads(r[0]) for r in self._run(lambda cur: self._x(cur, sql, params).fetchall(), write=False)]
-
-    def record_eval(self, policy: str, rev_id: str, metric: str, value: float, step: int | None = None) -> None:
-        """Set an evaluation score of a revision."""
-        def rec(cur):
-            self._policy_row(cur, policy, lock=True)
-            if self._rev_or_none(cur, rev_id) is None:
-                raise RevisionNotFoundError(f"eval names revision {rev_id}, which is not registered")
-            self._x(cur, "INSERT INTO evals (policy, revision, metric, value, step, at) VALUES (?, ?, ?, ?, ?, ?) "
-                         "ON CONFLICT (policy, revision, metric) DO UPDATE SET value = excluded.value, step = excluded.step, at = excluded.at",
-                    (policy, rev_id, metric, float(value), step, time.time()))
-
-        self._run(rec, write=True)
-
-    def _evals(self, cur, policy: str, rev_id: str) -> dict[str, float]:
-        return {m: float(v) for m, v in self._x(cur, "SELECT metric, value FROM evals WHERE policy = ? AND revision = ? ORDER BY metric",
-                                                  (policy, rev_id)).fetchall()}
-
-    def evals(self, policy: str, rev_id: str) -> dict[str, float]:
-        """Evaluation scores of a revision."""
-        return self._run(lambda cur: self._evals(cur, policy, rev_id), write=False)
-
-    # ---- retention ----
-    def retire(self, rev_id: str) -> None:
-        """Mark a revision's bytes collectable (refused while a head or tag points at it)."""
-        def ret(cur):
-            rev = self._rev_or_none(cur, rev_id)
-            if rev is None:
-                raise RevisionNotFoundError(f"no revision {rev_id} in catalog {self.url}")
-            self._policy_row(cur, rev.policy, lock=True)
-            refs = [f"{p}:head" for (p,) in self._x(cur, "SELECT name FROM policies WHERE head = ?", (rev_id,)).fetchall()]
-            refs += [f"{p}:{t}" for p, t in self._x(cur, "SELECT policy, tag FROM tags WHERE revision = ?", (rev_id,)).fetchall()]
-            if refs:
-                raise ReferencedRevisionError(f"revision {rev_id[:12]} is still referenced by {', '.join(sorted(refs))}; move those first")
-            self._x(cur, "UPDATE revisions SET retired = 1 WHERE id = ?", (rev_id,))
-
-        self._run(ret, write=True)
-
-    def live_blob_keys(self) -> set[str]:
-        """Blob keys still referenced: live revisions and their trainer-state blobs."""
-        def live(cur):
-            keys = {r[0] for r in self._x(cur, "SELECT id FROM revisions WHERE retired = 0").fetchall()}
-            keys |= {r[0] for r in self._x(cur, "SELECT s.state_blob FROM states s JOIN revisions r ON r.id = s.revision "
-                                                 "WHERE r.retired = 0 AND s.state_blob IS NOT NULL").fetchall()}
-            return keys
-
-        return self._run(live, write=False)
 
     def close(self) -> None:
         """Release the connection."""
