@@ -70,6 +70,7 @@ def _run(ref, ids, weights, **kwargs):
     ("full", {}),  # uniform, one layer per chunk: every consumer sits in a later chunk than its producer
     ("full", {"recompute_num_layers": 5}),  # uniform chunks that cut through the producer/consumer chains
     ("full_block", {"recompute_num_layers": 7}),  # block: the first 7 layers checkpointed, the rest not
+    ("full_block", {}),  # the preset: every layer but the last
 ])
 def test_full_recompute_gradients_equal_no_recompute_exactly(setup, preset, overrides):
     ref, ids, weights, logits, grads = setup

@@ -136,3 +136,37 @@ def test_engram_slot_takes_the_host_pinned_table(mcore):
     ids = sup.token_ids(1, 40, seed=53)
     with torch.no_grad():
         torch.testing.assert_close(model(ids), ref(ids), rtol=0, atol=1e-5)
+
+
+def test_block_without_engram_rows_names_the_fix(mcore):
+    model = sup.megatron_from(sup.reference(seed=0))
+    hidden = model.embedding(sup.token_ids(1, 16, seed=54), None)
+    with pytest.raises(ValueError, match="csa2_tokens"):
+        model.decoder(hidden, None)  # a bare block call: no input ids, so no Engram rows for layer 1
+
+
+def test_float16_module_keeps_the_release_fp32_islands(mcore):
+    from megatron.core.transformer.module import Float16Module
+
+    from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider, load_reference_state
+    from dsv4flash.model.transformer import Transformer
+
+    ref32 = sup.reference(seed=0)
+    model = DSV41ModelProvider(ref32.cfg, overrides=dict(bf16=True, params_dtype=torch.bfloat16,
+                                                         pipeline_dtype=torch.bfloat16)).provide()
+    load_reference_state(model, ref32.state_dict())
+    wrapped = Float16Module(model.config, model)  # casts the whole model with .bfloat16()
+    plan = ref32.cfg.backbone_plan
+    for name, param in wrapped.named_parameters():
+        layer = int(name.split(".")[3]) if name.startswith("module.decoder.layers.") else None
+        fp32 = (any(key in name for key in ("hyper_connection.", "attn_sink", "output_layer"))
+                or (".compressor.linear_" in name and plan[layer].ratio > 1))  # REF: ratio-1 compressor is bf16
+        assert (param.dtype == torch.float32) == fp32, f"{name}: {param.dtype}"
+    # Exact release values, not a bf16 round trip.
+    assert torch.equal(model.decoder.layers[2].hyper_connection.attn_fn, ref32.layers[2].hc_attn_fn)
+    ref = Transformer(ref32.cfg, dtype=torch.bfloat16, seed=None)
+    ref.load_state_dict(ref32.state_dict())
+    ids = sup.token_ids(1, 48, seed=55)
+    with torch.no_grad():
+        got, want = wrapped(ids).float().flatten(), ref(ids).float().flatten()
+    assert float(torch.nn.functional.cosine_similarity(got, want, dim=0)) > 0.999

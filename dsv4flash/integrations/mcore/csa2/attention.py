@@ -27,6 +27,7 @@ from dsv4flash.integrations.mcore.csa2.context_parallel import all_reduce_sum_au
 from dsv4flash.integrations.mcore.csa2.layout import GroupTable, TokenLayout
 from dsv4flash.integrations.mcore.csa2.modules import (
     GroupedOutputProjection,
+    KeepFP32,
     build_linear,
     linear_forward,
     sharded_state_dict_with_tp_axes,
@@ -59,8 +60,10 @@ def scatter_entries(values: torch.Tensor, table: GroupTable) -> torch.Tensor:
     return out.scatter_add(1, idx, values * table.owner_valid.unsqueeze(-1).to(values.dtype))
 
 
-class CSA2SelfAttention(MegatronModule):
+class CSA2SelfAttention(KeepFP32, MegatronModule):
     """One layer's CSA2 attention; see the module docstring. Built as `build_module(spec, config=, layer_number=)`."""
+
+    _fp32_params = ("attn_sink",)
 
     def __init__(self, config: Any, submodules: CSA2AttentionSubmodules, layer_number: int,
                  pg_collection: Any = None, **_unused: Any) -> None:

@@ -16,7 +16,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dsv4flash.integrations.mcore.csa2.layout import GroupTable
-from dsv4flash.integrations.mcore.csa2.modules import build_linear, linear_forward
+from dsv4flash.integrations.mcore.csa2.modules import KeepFP32, build_linear, linear_forward
 
 __all__ = ["CompressorSubmodules", "CSA2Compressor"]
 
@@ -29,7 +29,7 @@ class CompressorSubmodules:
     norm: Any = None
 
 
-class CSA2Compressor(MegatronModule):
+class CSA2Compressor(KeepFP32, MegatronModule):
     """`compressor.{linear_kv, linear_gate, norm}` (release: `attn.compressor.{wkv, wgate, norm}`)."""
 
     def __init__(self, config: Any, submodules: CompressorSubmodules, ratio: int) -> None:
@@ -43,6 +43,8 @@ class CSA2Compressor(MegatronModule):
         self.linear_gate = (build_linear(submodules.linear, text.hidden_size, text.head_dim, config, "replicated",
                                          name="compressor_gate", dtype=dtype) if ratio > 1 else None)
         self.norm = submodules.norm(config=config, hidden_size=text.head_dim, eps=text.rms_norm_eps)
+        if ratio > 1:
+            self._fp32_params = ("linear_kv.weight", "linear_gate.weight")
 
     def token_inputs(self, x: torch.Tensor) -> torch.Tensor:
         """x [B,S,D] -> ratio 1: latents [B,S,hd]; ratio > 1: fp32 (values, gate scores) [B,S,2,hd]."""

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from megatron.core.transformer.module import MegatronModule
 
+from dsv4flash.integrations.mcore.csa2.modules import KeepFP32
 from dsv4flash.model.hyper_connection import HyperConnectionSite
 
 __all__ = ["CSA2HyperConnection", "pack_streams", "unpack_streams"]
@@ -30,8 +31,10 @@ def pack_streams(streams: torch.Tensor) -> torch.Tensor:
     return streams.reshape(*streams.shape[:2], -1)
 
 
-class CSA2HyperConnection(MegatronModule):
+class CSA2HyperConnection(KeepFP32, MegatronModule):
     """`hyper_connection.{attn,ffn}_{fn,base,scale}` (release: `hc_{attn,ffn}_{fn,base,scale}`), fp32."""
+
+    _fp32_params = tuple(f"{site}_{part}" for site in SITES for part in ("fn", "base", "scale"))
 
     def __init__(self, config: Any, **_unused: Any) -> None:
         super().__init__(config)

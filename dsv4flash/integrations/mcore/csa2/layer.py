@@ -78,6 +78,10 @@ class CSA2TransformerLayer(TransformerLayer):
         tokens = context.tokens
         x = unpack_streams(hidden_states, self.hc)  # [s,b,hc,D]
         if self.engram is not None:
+            if len(tokens.engram_rows) <= self.plan.engram_index:
+                raise ValueError(f"layer {self.plan.layer_id} has an Engram lookup but the micro-batch carries no "
+                                 "Engram row ids: build the tokens with DSV41MegatronModel.tokens(input_ids, ...) "
+                                 "and pass them to the block as csa2_tokens")
             x = self.engram(x, tokens.engram_rows[self.plan.engram_index], tokens.engram_token_mask())
         residual = x
         attn_pre, attn_post, attn_comb = self.hyper_connection("attn", x)

@@ -19,13 +19,16 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from dsv4flash.integrations.mcore.csa2.block import CSA2TransformerBlock
 from dsv4flash.integrations.mcore.csa2.carry import CSA2Tokens
 from dsv4flash.integrations.mcore.csa2.config import with_dtype
+from dsv4flash.integrations.mcore.csa2.modules import KeepFP32
 from dsv4flash.model.engram import EngramHasher
 
 __all__ = ["DSV41MegatronModel"]
 
 
-class DSV41MegatronModel(LanguageModule):
+class DSV41MegatronModel(KeepFP32, LanguageModule):
     """Embedding, Engram hashing, `CSA2TransformerBlock` and the fp32 output layer (untied, as the release)."""
+
+    _fp32_params = ("output_layer.weight",)
 
     def __init__(self, config: Any, block_spec: Any, *, parallel_output: bool = True,
                  pg_collection: Any = None) -> None:

@@ -22,7 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 from dsv4flash.integrations.mcore.csa2.config import with_dtype
 from dsv4flash.model.norm import RMSNorm
 
-__all__ = ["CSA2RMSNorm", "GroupedOutputProjection", "build_linear", "linear_forward",
+__all__ = ["CSA2RMSNorm", "GroupedOutputProjection", "KeepFP32", "build_linear", "linear_forward",
            "sharded_state_dict_with_tp_axes"]
 
 
@@ -56,6 +56,30 @@ def build_linear(cls: Any, in_features: int, out_features: int, config: Any, pla
         raise ValueError(f"{cls.__name__} cannot hold a replicated projection ({name}); use ColumnParallelLinear "
                          "or TELinear")
     return cls(in_features, out_features, is_expert=False, gather_output=placement == "replicated", **common)
+
+
+class KeepFP32:
+    """Mixin for modules owning release fp32 islands (`_fp32_params`, dotted names allowed).
+
+    megatron-core's `Float16Module` calls `.bfloat16()` / `.half()` on the whole model; these parameters are
+    moved like any other but keep their exact fp32 values (mHC, sinks, the ratio > 1 compressor, the head).
+    """
+
+    _fp32_params: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: D401 - torch hook
+        """nn.Module._apply, then restore the fp32 islands from their pre-cast values."""
+        saved = {}
+        for name in self._fp32_params:
+            param = self.get_parameter(name)
+            if param.dtype == torch.float32:
+                saved[name] = param.data
+        out = super()._apply(fn, recurse)
+        for name, before in saved.items():
+            param = self.get_parameter(name)
+            if param.dtype != torch.float32 and not param.is_meta:
+                param.data = before.to(device=param.device)
+        return out
 
 
 def sharded_state_dict_with_tp_axes(module: MegatronModule, axes: dict[str, int], prefix: str = "",
