@@ -11,13 +11,16 @@ import torch
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Subcommands and their options."""
     sub = parser.add_subparsers(dest="action", required=True)
-    for action, text in (("import", "release layout -> BF16/FP32 (release names), keeping what export needs"),
+    for action, text in (("import", "release layout -> BF16/FP32 (release or Megatron names), keeping what export "
+                                    "needs"),
                          ("export", "an import (possibly trained) -> release layout, bit-exact where unchanged")):
         p = sub.add_parser(action, help=text, description=text)
         p.add_argument("src")
         p.add_argument("dst")
         if action == "import":
             p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of decoded weights")
+            p.add_argument("--naming", choices=("release", "megatron"), default="release",
+                           help="tensor names: release (= the reference model's) or Megatron-Core (docs/bridge.md)")
         p.add_argument("--chunk-mb", type=int, default=256, help="rows per chunk are sized to about this many MiB")
         p.add_argument("--verify", action="store_true", help="re-read the output and check it against the source")
         p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
                       overwrite=args.overwrite, resume=args.resume)
         if args.action == "import":
             dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-            summary = import_release(args.src, args.dst, dtype=dtype, **common)
+            summary = import_release(args.src, args.dst, dtype=dtype, naming=args.naming, **common)
         else:
             summary = export_release(args.src, args.dst, **common)
     except (ConvertError, CodecError, SafetensorsError) as exc:

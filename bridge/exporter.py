@@ -12,6 +12,7 @@ from dsv4flash_bridge import codecs
 from dsv4flash_bridge.convert_common import (DEFAULT_CHUNK_BYTES, LAYOUT_FILE, LAYOUT_FORMAT, SIDECAR, ConvertError,
                                              Summary, check_copy, copy_files, copy_rows, logical_shape, progress_bar,
                                              quantized_pairs, scale_rows, staging, chunk_rows)
+from dsv4flash_bridge.renamed import ReleaseView, output_tensors, vision_heads
 from dsv4flash_bridge.safetensors_io import SafetensorsWriter, parse_header
 from dsv4flash_bridge.sharded import INDEX_FILE, CheckpointReader
 
@@ -32,7 +33,8 @@ def export_release(src, dst, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify: 
     where = {i.name: (shard, i) for shard, infos in headers.items() for i in infos}
     pairs = quantized_pairs(where, lambda n: where[n][1])
     scales = {s for _, s in pairs.values()}
-    with CheckpointReader(src) as ckpt, CheckpointReader(side) as stored_scales, staging(dst, overwrite, resume) as out:
+    with CheckpointReader(src) as raw, CheckpointReader(side) as stored_scales, staging(dst, overwrite, resume) as out:
+        ckpt = _release_view(raw, layout, where, scales, src)
         extra = sorted(set(ckpt.names()) - set(where))
         if extra:
             raise ConvertError(f"{src}: {len(extra)} tensors are not part of the release layout, e.g. {extra[0]}")
@@ -77,6 +79,25 @@ def export_release(src, dst, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify: 
             summary.notes.append(_verify_export(ckpt, out, pairs, chunk_bytes))
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _release_view(raw: CheckpointReader, layout: dict, where, scales, src: Path):
+    """SRC under release names: itself if imported with release naming, else a view through the name table."""
+    naming = layout.get("naming", "release")
+    if naming == "release":
+        return raw
+    if naming != "megatron":
+        raise ConvertError(f"{src / SIDECAR / LAYOUT_FILE}: unknown naming {naming!r}")
+    outs = output_tensors([n for n in where if n not in scales], lambda n: where[n][1].rows, naming,
+                          vision_heads(layout["config"]))
+    names = set(raw.names())
+    missing = [o.name for o in outs if o.name not in names]
+    if missing:
+        raise ConvertError(f"{src}: Megatron tensor {missing[0]} is missing")
+    extra = sorted(names - {o.name for o in outs})
+    if extra:
+        raise ConvertError(f"{src}: {len(extra)} tensors are not part of the release layout, e.g. {extra[0]}")
+    return ReleaseView(raw, outs)
 
 
 def _export_quantized(ckpt, stored_scales, name, pair, info, where, write, chunk_bytes, advance) -> int:

@@ -1,4 +1,4 @@
-"""`convert import`: release layout -> BF16/FP32 with release names, plus what a bit-exact export needs."""
+"""`convert import`: release layout -> BF16/FP32 in release or Megatron naming, plus what a bit-exact export needs."""
 
 from __future__ import annotations
 
@@ -8,49 +8,60 @@ from pathlib import Path
 
 import torch
 
+from dsv4flash.quant_plan import QuantRole
 from dsv4flash_bridge import codecs
 from dsv4flash_bridge.convert_common import (DEFAULT_CHUNK_BYTES, LAYOUT_FILE, LAYOUT_FORMAT, SIDECAR, ConvertError,
-                                             Summary, check_copy, copy_files, copy_rows, logical_shape, progress_bar,
-                                             quantized_pairs, same_bytes, scale_rows, staging, chunk_rows)
-from dsv4flash_bridge.safetensors_io import SafetensorsWriter, TensorInfo, TensorSpec, dtype_name, library_order
+                                             Summary, check_copy, chunk_rows, copy_files, copy_rows, logical_shape,
+                                             progress_bar, quantized_pairs, same_bytes, scale_rows, staging)
+from dsv4flash_bridge.renamed import NAMINGS, OutTensor, Piece, ReleaseView, output_tensors, vision_heads
+from dsv4flash_bridge.safetensors_io import SafetensorsWriter, TensorSpec, dtype_name, library_order
 from dsv4flash_bridge.sharded import INDEX_FILE, CheckpointReader, write_index
 
 
-def import_release(src, dst, *, dtype: torch.dtype = torch.bfloat16, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                   verify: bool = False, progress: bool = True, overwrite: bool = False, resume: bool = False) -> Summary:
-    """Release layout (SRC) -> BF16/FP32 checkpoint with release names (DST), plus DST/release/ for export."""
+def import_release(src, dst, *, dtype: torch.dtype = torch.bfloat16, naming: str = "release",
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify: bool = False, progress: bool = True,
+                   overwrite: bool = False, resume: bool = False) -> Summary:
+    """Release layout (SRC) -> BF16/FP32 checkpoint (DST) named `naming` ("release" = the reference model's
+    names, "megatron" = the name table's Megatron names), plus DST/release/ for export."""
     src, dst = Path(src), Path(dst)
     if dtype not in (torch.bfloat16, torch.float32):
         raise ConvertError(f"import dtype must be bfloat16 or float32, got {dtype}")
+    if naming not in NAMINGS:
+        raise ConvertError(f"import naming must be one of {NAMINGS}, got {naming!r}")
     start, summary = time.perf_counter(), Summary()
     with CheckpointReader(src) as ckpt, staging(dst, overwrite, resume) as out:
         pairs = quantized_pairs(ckpt.names(), ckpt.info)
         scales = {s for _, s in pairs.values()}
+        config_text = _read_text(src / "config.json")
+        outs = output_tensors([n for n in ckpt.names() if n not in scales], lambda n: ckpt.info(n).rows, naming,
+                              vision_heads(config_text))
+        home = {o.name: ckpt.shard_of(o.pieces[0].release) for o in outs}  # an output lives with its first source
+        specs = {o.name: _out_spec(ckpt, o, pairs, dtype) for o in outs}
         shards = ckpt.index.shards
-        layout = {"format": LAYOUT_FORMAT, "shards": {s: ckpt.reader(s).header_blob.decode("utf-8") for s in shards},
-                  "index": _read_text(src / INDEX_FILE), "config": _read_text(src / "config.json")}
+        layout = {"format": LAYOUT_FORMAT, "naming": naming,
+                  "shards": {s: ckpt.reader(s).header_blob.decode("utf-8") for s in shards},
+                  "index": _read_text(src / INDEX_FILE), "config": config_text}
         bar, task = progress_bar(progress, f"import {src.name}", sum(ckpt.info(n).nbytes for n in ckpt.names()))
         with bar:
             for shard in shards:
-                names = ckpt.reader(shard).names()
-                summary.bytes_read += _import_shard(ckpt, shard, names, pairs, out, dtype, chunk_bytes,
-                                                   lambda n: bar.advance(task, n))
-                summary.tensors += sum(n not in scales for n in names)
+                mine = [o for o in outs if home[o.name] == shard]
+                shard_scales = [n for n in ckpt.reader(shard).names() if n in scales]
+                summary.bytes_read += _import_shard(ckpt, shard, mine, specs, shard_scales, pairs, out, dtype,
+                                                   chunk_bytes, lambda n: bar.advance(task, n))
+                summary.tensors += len(mine)
         side = out / SIDECAR
         side.mkdir(exist_ok=True)
         (side / LAYOUT_FILE).write_text(json.dumps(layout, indent=1) + "\n", encoding="utf-8")
         write_index(side, {s: ckpt.shard_of(s) for s in sorted(scales)}, sum(ckpt.info(s).nbytes for s in scales))
-        weight_map = {n: ckpt.shard_of(n) for n in ckpt.names() if n not in scales}
-        out_sizes = {n: _out_spec(ckpt.info(n), pairs, dtype).nbytes for n in weight_map}
-        write_index(out, weight_map, sum(out_sizes.values()), {"format": "pt"})
-        summary.bytes_written = sum(out_sizes.values())
-        if layout["config"] is not None:
-            config = json.loads(layout["config"])
+        summary.bytes_written = sum(s.nbytes for s in specs.values())
+        write_index(out, home, summary.bytes_written, {"format": "pt"})
+        if config_text is not None:
+            config = json.loads(config_text)
             config.pop("quantization_config", None)  # the imported weights are no longer quantized
             (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         copy_files(src, out, {INDEX_FILE, "config.json"})
         if verify:
-            summary.notes.append(_verify_import(ckpt, out, pairs, chunk_bytes))
+            summary.notes.append(_verify_import(ckpt, out, outs, naming, pairs, chunk_bytes))
     summary.seconds = time.perf_counter() - start
     return summary
 
@@ -60,20 +71,28 @@ def _read_text(path: Path) -> str | None:
     return path.read_text(encoding="utf-8") if path.exists() else None
 
 
-def _out_spec(info: TensorInfo, pairs, dtype: torch.dtype) -> TensorSpec:
-    """The imported tensor's spec."""
-    if info.name in pairs:
-        return TensorSpec(info.name, dtype_name(dtype), logical_shape(pairs[info.name][0], info.shape))
-    return TensorSpec(info.name, info.dtype, info.shape)
+def _out_spec(ckpt: CheckpointReader, out: OutTensor, pairs, dtype: torch.dtype) -> TensorSpec:
+    """The output tensor's spec: decoded dtype for quantized sources, stored dtype otherwise; rows stacked."""
+    kinds = set()
+    for name in out.sources:
+        info = ckpt.info(name)
+        if name in pairs:
+            kinds.add((dtype_name(dtype), logical_shape(pairs[name][0], info.shape)[1:]))
+        else:
+            kinds.add((info.dtype, info.shape[1:]))
+    if len(kinds) != 1:
+        raise ConvertError(f"{out.name}: its sources {out.sources} differ in dtype or width ({sorted(kinds)})")
+    (kind, trailing), = kinds
+    if not ckpt.info(out.sources[0]).shape:
+        return TensorSpec(out.name, kind, ())
+    return TensorSpec(out.name, kind, (sum(p.stop - p.start for p in out.pieces), *trailing))
 
 
-def _import_shard(ckpt, shard, names, pairs, out: Path, dtype, chunk_bytes, advance) -> int:
-    """Decode/copy one source shard into DST/<shard> and its scales into DST/release/<shard>."""
-    scales = [n for n in names if n.endswith(".scale") and n[: -len(".scale")] + ".weight" in pairs]
-    weights = [n for n in names if n not in scales]
+def _import_shard(ckpt, shard, outs, specs, scales, pairs, out: Path, dtype, chunk_bytes, advance) -> int:
+    """Write the outputs homed in one source shard to DST/<shard>, and its scales to DST/release/<shard>."""
     target, side = out / shard, out / SIDECAR / shard
-    if target.exists() and (side.exists() or not scales):  # completed before a resume
-        done = sum(ckpt.info(n).nbytes for n in names)
+    if (not outs or target.exists()) and (not scales or side.exists()):  # completed before a resume
+        done = sum(ckpt.info(n).nbytes for n in scales) + sum(_piece_bytes(ckpt, p) for o in outs for p in o.pieces)
         advance(done)
         return done
     read = 0
@@ -82,39 +101,66 @@ def _import_shard(ckpt, shard, names, pairs, out: Path, dtype, chunk_bytes, adva
             for name in scales:
                 read += copy_rows(ckpt, ckpt.info(name), lambda t, n=name: w.write_rows(n, t), chunk_bytes)
                 advance(ckpt.info(name).nbytes)
-    specs = library_order([_out_spec(ckpt.info(n), pairs, dtype) for n in weights])
-    with SafetensorsWriter(target, specs, {"format": "pt"}) as writer:
-        for name in weights:
-            info = ckpt.info(name)
-            if name not in pairs:
-                read += copy_rows(ckpt, info, lambda t, n=name: writer.write_rows(n, t), chunk_bytes)
-                advance(info.nbytes)
-                continue
-            role, scale = pairs[name]
-            cols = logical_shape(role, info.shape)[1]
-            step = chunk_rows(role, cols * dtype.itemsize, chunk_bytes)
-            buffer = torch.empty(min(step, info.rows), cols, dtype=dtype)
-            for r0 in range(0, info.rows, step):
-                r1 = min(info.rows, r0 + step)
-                q = ckpt.read_rows(name, r0, r1)
-                s = ckpt.read_rows(scale, *scale_rows(role, r0, r1))
-                writer.write_rows(name, codecs.decode(role, q, s, dtype=dtype, out=buffer[: r1 - r0], name=name))
-                advance(q.numel())
-            read += info.nbytes
+    if outs:
+        with SafetensorsWriter(target, library_order([specs[o.name] for o in outs]), {"format": "pt"}) as writer:
+            for o in outs:
+                for piece in o.pieces:
+                    read += _emit(ckpt, piece, pairs, dtype, chunk_bytes, lambda t, n=o.name: writer.write_rows(n, t),
+                                  advance)
     return read
 
 
-def _verify_import(ckpt: CheckpointReader, out: Path, pairs, chunk_bytes: int) -> str:
+def _piece_bytes(ckpt: CheckpointReader, piece: Piece) -> int:
+    """Stored bytes of a piece's rows."""
+    info = ckpt.info(piece.release)
+    return info.nbytes if not info.shape else (piece.stop - piece.start) * info.row_bytes
+
+
+def _emit(ckpt, piece: Piece, pairs, dtype, chunk_bytes, write, advance) -> int:
+    """Stream a piece's rows to `write`: decoded chunk by chunk if quantized, copied otherwise."""
+    name, info = piece.release, ckpt.info(piece.release)
+    if not info.shape:
+        write(ckpt.read(name))
+        advance(info.nbytes)
+        return info.nbytes
+    if name not in pairs:
+        step = max(1, chunk_bytes // max(info.row_bytes, 1))
+        for r0 in range(piece.start, piece.stop, step):
+            r1 = min(piece.stop, r0 + step)
+            write(ckpt.read_rows(name, r0, r1))
+            advance((r1 - r0) * info.row_bytes)
+        return _piece_bytes(ckpt, piece)
+    role, scale = pairs[name]
+    if role is QuantRole.DENSE_FP8 and (piece.start % 32 or (piece.stop % 32 and piece.stop != info.rows)):
+        raise ConvertError(f"{name}: rows [{piece.start}, {piece.stop}) cut through its 32-row scale blocks")
+    cols = logical_shape(role, info.shape)[1]
+    step = chunk_rows(role, cols * dtype.itemsize, chunk_bytes)
+    buffer = torch.empty(min(step, piece.stop - piece.start), cols, dtype=dtype)
+    for r0 in range(piece.start, piece.stop, step):
+        r1 = min(piece.stop, r0 + step)
+        q = ckpt.read_rows(name, r0, r1)
+        s = ckpt.read_rows(scale, *scale_rows(role, r0, r1))
+        write(codecs.decode(role, q, s, dtype=dtype, out=buffer[: r1 - r0], name=name))
+        advance((r1 - r0) * info.row_bytes)
+    return _piece_bytes(ckpt, piece)
+
+
+def _verify_import(ckpt: CheckpointReader, out: Path, outs, naming: str, pairs, chunk_bytes: int) -> str:
     """Re-read the import and prove it lossless: re-encoding with the source scales gives the source bytes."""
-    with CheckpointReader(out) as result:
+    with CheckpointReader(out) as written:
+        extra = sorted(set(written.names()) - {o.name for o in outs})
+        if extra:
+            raise ConvertError(f"{out}: verify failed, unexpected tensor {extra[0]}")
+        result = written if naming == "release" else ReleaseView(written, outs)
         for name in result.names():
             if name not in pairs:
                 check_copy(ckpt, result, name, chunk_bytes, out)
                 continue
             role, scale = pairs[name]
+            rows = result.info(name).rows
             step = chunk_rows(role, result.info(name).row_bytes, chunk_bytes)
-            for r0 in range(0, result.info(name).rows, step):
-                r1 = min(result.info(name).rows, r0 + step)
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
                 s = ckpt.read_rows(scale, *scale_rows(role, r0, r1))
                 q2, s2 = codecs.encode(role, result.read_rows(name, r0, r1), like_scale=s, name=name)
                 if not (same_bytes(q2, ckpt.read_rows(name, r0, r1)) and same_bytes(s2, s)):
