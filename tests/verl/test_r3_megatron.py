@@ -124,9 +124,10 @@ def test_text_only_r3_replay_is_exact(patch_form, mcore_parallel, monkeypatch):
         input_ids = _nested(ids[0])
         batch = {"input_ids": input_ids, "loss_mask": _nested(torch.ones(LAYOUT.expanded_len)),
                  "multi_modal_inputs": [], **keys}
-        ti.MegatronEngineWithLMHead.prepare_model_inputs(None, batch)  # stashes the micro-batch's replay keys
-        layers_topk_idx = ti.align_r3_router_replay_data(_nested(compact), input_ids)
-        replay_mask = ti.build_r3_replay_mask(input_ids, torch.ones(1, RESPONSE))
+        inputs = ti.MegatronEngineWithLMHead.prepare_model_inputs(None, batch)
+        row_map, native = inputs.get("r3_row_map", keys["r3_row_map"]), inputs.get("r3_native_rows", keys["r3_native_rows"])
+        layers_topk_idx = ti.align_r3_router_replay_data(_nested(compact), input_ids, row_map=row_map)
+        replay_mask = ti.build_r3_replay_mask(input_ids, torch.ones(1, RESPONSE), row_map=row_map, native_rows=native)
         rru.set_router_replay_data(layers_topk_idx, None, config, 0, replay_mask=replay_mask, model=model)
         rru.set_model_router_replay_action(model, rrp.RouterReplayAction.REPLAY_FORWARD)
         replayed = _forward(model, ids, image)
@@ -134,9 +135,8 @@ def test_text_only_r3_replay_is_exact(patch_form, mcore_parallel, monkeypatch):
         # the same machinery replaying *every* text row (a recording that includes the final token)
         full_keys = r3_batch_keys([LAYOUT], [LAYOUT.compact_len])
         full_routes = routes_e[LAYOUT.expanded_rows()]
-        ti.MegatronEngineWithLMHead.prepare_model_inputs(None, {**batch, **full_keys})
-        rru.set_router_replay_data(ti.align_r3_router_replay_data(_nested(full_routes), input_ids), None, config, 0,
-                                   replay_mask=_nested(~image), model=model)
+        aligned = ti.align_r3_router_replay_data(_nested(full_routes), input_ids, row_map=full_keys["r3_row_map"])
+        rru.set_router_replay_data(aligned, None, config, 0, replay_mask=_nested(~image), model=model)
         rru.set_model_router_replay_action(model, rrp.RouterReplayAction.REPLAY_FORWARD)
         replayed_all = _forward(model, ids, image)
         rrp.RouterReplay.clear_global_router_replay_action()
@@ -156,6 +156,34 @@ def test_text_only_r3_replay_is_exact(patch_form, mcore_parallel, monkeypatch):
     assert not mask[image].any() and not mask[-1] and mask[text].all()
     patch_form.record("exact", exact)
     patch_form.record("mask", mask)
+
+
+def test_stock_forward_step_calls_read_the_micro_batch_keys(mcore_parallel):
+    """veRL 0.9.1's forward_step calls the two functions positionally: the twin reads the stashed keys."""
+    from verl.workers.engine.megatron import transformer_impl as ti
+
+    from tests.vllm._twins import applied
+
+    compact = torch.arange((LAYOUT.compact_len - 1) * 2 * K).reshape(-1, 2, K)
+    keys = r3_batch_keys([LAYOUT], [compact.shape[0]])
+    input_ids = _nested(torch.zeros(LAYOUT.expanded_len, dtype=torch.long))
+    batch = {"input_ids": input_ids, "loss_mask": _nested(torch.ones(LAYOUT.expanded_len)), "multi_modal_inputs": [],
+             **keys}
+    with applied(PATCH_ID):
+        ti.MegatronEngineWithLMHead.prepare_model_inputs(None, batch)
+        positional = ti.align_r3_router_replay_data(_nested(compact), input_ids)
+        explicit = ti.align_r3_router_replay_data(_nested(compact), input_ids, row_map=keys["r3_row_map"])
+        mask = ti.build_r3_replay_mask(input_ids, torch.ones(1, RESPONSE))
+        ti.MegatronEngineWithLMHead.prepare_model_inputs(None, {k: batch[k] for k in ("input_ids", "loss_mask",
+                                                                                   "multi_modal_inputs")})
+        with pytest.raises(RuntimeError, match="route rows"):  # no keys: veRL's own alignment again
+            ti.align_r3_router_replay_data(_nested(compact), input_ids)
+    torch.testing.assert_close(positional.values(), explicit.values(), rtol=0, atol=0)
+    rows = positional.unbind()[0]
+    assert (rows[LAYOUT.image_rows()] == 0).all()
+    torch.testing.assert_close(rows[LAYOUT.expanded_rows()[:-1][LAYOUT.compact_text_rows()[:-1]]],
+                               compact[LAYOUT.compact_text_rows()[:-1]], rtol=0, atol=0)
+    assert not mask.values()[LAYOUT.image_rows()].any()
 
 
 def test_stock_r3_cannot_align_compact_routes(mcore_parallel):

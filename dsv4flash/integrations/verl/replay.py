@@ -42,9 +42,16 @@ def _parts(t: torch.Tensor) -> list[torch.Tensor]:
     return list(t.unbind()) if getattr(t, "is_nested", False) else [t]
 
 
-def align_routes(layers_topk_idx: torch.Tensor, input_ids: torch.Tensor, original):
+def _keys(row_map=None, native_rows=None) -> dict | None:
+    """Explicit keys (the upstream form's keywords) win over the micro-batch stash."""
+    if row_map is not None:
+        return {ROW_MAP: row_map, NATIVE_ROWS: native_rows}
+    return _current.get()
+
+
+def align_routes(layers_topk_idx: torch.Tensor, input_ids: torch.Tensor, original, row_map=None):
     """`align_r3_router_replay_data` that moves each recorded row to its training row (text-only replay)."""
-    keys = _current.get()
+    keys = _keys(row_map)
     if keys is None:
         return original(layers_topk_idx, input_ids)
     if not layers_topk_idx.is_nested or not input_ids.is_nested:
@@ -70,20 +77,25 @@ def align_routes(layers_topk_idx: torch.Tensor, input_ids: torch.Tensor, origina
     return torch.nested.as_nested_tensor(out, layout=torch.jagged)
 
 
-def replay_mask(input_ids: torch.Tensor, response_mask: torch.Tensor, original):
-    """`build_r3_replay_mask` restricted to rows with a recorded route that are not image rows."""
+def replay_mask(input_ids: torch.Tensor, response_mask: torch.Tensor, original, row_map=None, native_rows=None):
+    """`build_r3_replay_mask` restricted to rows with a recorded route that are not native (image) rows."""
     mask = original(input_ids, response_mask)
-    keys = _current.get()
+    keys = _keys(row_map, native_rows)
     if keys is None:
         return mask
+    masks, maps = _parts(mask), _parts(keys[ROW_MAP])
+    natives = _parts(keys[NATIVE_ROWS]) if keys[NATIVE_ROWS] is not None else [None] * len(masks)
     parts = []
-    for i, (m, rows, native) in enumerate(zip(_parts(mask), _parts(keys[ROW_MAP]), _parts(keys[NATIVE_ROWS]))):
-        native = native.to(device=m.device, dtype=torch.bool)
-        if native.shape != m.shape:
-            raise RuntimeError(f"text-only R3 sample {i}: r3_native_rows has {native.numel()} rows, the training "
-                               f"sequence {m.numel()}")
+    for i, (m, rows, native) in enumerate(zip(masks, maps, natives, strict=True)):
         recorded = torch.zeros_like(m, dtype=torch.bool)
         rows = rows.to(device=m.device, dtype=torch.long)
         recorded[rows[rows >= 0]] = True
-        parts.append(m.bool() & recorded & ~native)
+        keep = m.bool() & recorded
+        if native is not None:
+            native = native.to(device=m.device, dtype=torch.bool)
+            if native.shape != m.shape:
+                raise RuntimeError(f"text-only R3 sample {i}: r3_native_rows has {native.numel()} rows, the "
+                                   f"training sequence {m.numel()}")
+            keep = keep & ~native
+        parts.append(keep)
     return torch.nested.nested_tensor_from_jagged(torch.cat(parts), offsets=input_ids.offsets())

@@ -9,9 +9,11 @@ and skips the expert bias (P28), so the routes must be replayed through dsv4flas
 
 How: a batch may carry `r3_row_map` (nested, the training row of each recorded route row, −1 = none) and
 `r3_native_rows` (nested, rows that always route natively), built by `dsv4flash.replay.r3_batch_keys`.
-`MegatronEngineWithLMHead.prepare_model_inputs` stashes them for the micro-batch; `align_r3_router_replay_data`
-scatters the recorded rows to their training rows and `build_r3_replay_mask` keeps veRL's causal rule on the
-rows that have a recorded route and are not image rows. Batches without the keys behave exactly as before.
+`align_r3_router_replay_data` scatters the recorded rows to their training rows and `build_r3_replay_mask` keeps
+veRL's causal rule on the rows that have a recorded route and are not image rows; both take the keys as keyword
+arguments (as the upstream form's `forward_step` passes them) or, since stock `forward_step` does not,
+from the stash `MegatronEngineWithLMHead.prepare_model_inputs` leaves for the micro-batch. Batches without the
+keys behave exactly as before.
 """
 
 from __future__ import annotations
@@ -56,13 +58,13 @@ def install(patcher: Patcher) -> None:
 
     align, build = router_replay_utils.align_r3_router_replay_data, router_replay_utils.build_r3_replay_mask
 
-    def align_r3_router_replay_data(layers_topk_idx, input_ids):
-        """veRL's alignment, or the text-only one when the micro-batch carries `r3_row_map`."""
-        return replay.align_routes(layers_topk_idx, input_ids, align)
+    def align_r3_router_replay_data(layers_topk_idx, input_ids, row_map=None):
+        """veRL's alignment, or the text-only one given `row_map` or a micro-batch that carries it."""
+        return replay.align_routes(layers_topk_idx, input_ids, align, row_map=row_map)
 
-    def build_r3_replay_mask(input_ids, response_mask):
-        """veRL's mask, restricted to recorded text rows when the micro-batch carries the keys."""
-        return replay.replay_mask(input_ids, response_mask, build)
+    def build_r3_replay_mask(input_ids, response_mask, row_map=None, native_rows=None):
+        """veRL's mask, restricted to recorded non-native rows given the keys (or a micro-batch with them)."""
+        return replay.replay_mask(input_ids, response_mask, build, row_map=row_map, native_rows=native_rows)
 
     prepare = transformer_impl.MegatronEngineWithLMHead.prepare_model_inputs
 
