@@ -29,3 +29,16 @@ def test_adapters_bench_quick(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     report.write_json(tmp_path / "out.json")
     assert json.loads((tmp_path / "out.json").read_text())["load.bytes"] == figures["load.bytes"]
+
+
+def test_catalog_bench_on_postgres(pg_dsn, tmp_path):
+    """`--catalog postgresql://…` runs the catalog part against a shared PostgreSQL catalog."""
+    from dsv4flash.bench import adapters
+    from dsv4flash.bench.report import BenchReport
+
+    args = argparse.Namespace(catalog=pg_dsn, revisions=3_000, registers=50, lookups=400)
+    report = BenchReport("catalog on postgres")
+    adapters.bench_catalog(args, tmp_path, report)
+    figures = report.as_dict()
+    assert figures["catalog.revisions"] == 3_050 and figures["catalog.lookup_p50_us"] > 0
+    assert "catalog.file_mb" not in figures

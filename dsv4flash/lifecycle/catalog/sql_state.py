@@ -37,7 +37,7 @@ class ServiceStateSQL:
     def tag_history(self, policy: str, tag: str = HEAD) -> list[TagMove]:
         """Every move of a tag, oldest first."""
         rows = self._run(lambda cur: self._x(cur, "SELECT seq, policy, tag, revision, previous, at, reason FROM tag_log "
-                                                  "WHERE policy = ? AND tag = ? ORDER BY seq", (policy, tag)).fetchall(), write=False)
+                                                  "WHERE policy = ? AND tag = ? ORDER BY seq", (policy, tag)).fetchall(), write=False, single=True)
         return [TagMove(int(r[0]), r[1], r[2], r[3], r[4], float(r[5]), r[6]) for r in rows]
 
     def rollback(self, policy: str, tag: str = HEAD, to: str | None = None) -> RevisionRecord:
@@ -73,7 +73,7 @@ class ServiceStateSQL:
 
     def state(self, policy: str, rev_id: str) -> StateRecord | None:
         """Trainer state saved with a revision, if any."""
-        return self._run(lambda cur: self._state(cur, policy, rev_id), write=False)
+        return self._run(lambda cur: self._state(cur, policy, rev_id), write=False, single=True)
 
     def add_rollouts(self, policy: str, rev_id: str, records: Iterable[Mapping[str, Any]]) -> int:
         """Append rollout records (JSON objects) produced by a revision."""
@@ -95,7 +95,7 @@ class ServiceStateSQL:
             sql, params = "SELECT record FROM rollouts WHERE policy = ? ORDER BY seq LIMIT ?", (policy, limit)
         else:
             sql, params = "SELECT record FROM rollouts WHERE policy = ? AND revision = ? ORDER BY seq LIMIT ?", (policy, rev_id, limit)
-        return [json.loads(r[0]) for r in self._run(lambda cur: self._x(cur, sql, params).fetchall(), write=False)]
+        return [json.loads(r[0]) for r in self._run(lambda cur: self._x(cur, sql, params).fetchall(), write=False, single=True)]
 
     def record_eval(self, policy: str, rev_id: str, metric: str, value: float, step: int | None = None) -> None:
         """Set an evaluation score of a revision."""
@@ -115,7 +115,7 @@ class ServiceStateSQL:
 
     def evals(self, policy: str, rev_id: str) -> dict[str, float]:
         """Evaluation scores of a revision."""
-        return self._run(lambda cur: self._evals(cur, policy, rev_id), write=False)
+        return self._run(lambda cur: self._evals(cur, policy, rev_id), write=False, single=True)
 
     # ---- retention ----
     def retire(self, rev_id: str) -> None:
