@@ -5,8 +5,10 @@ reference weights; both runs see the same batch. Activation memory is measured e
 tensor autograd saves for backward passes through `saved_tensors_hooks`, and the meter keeps the bytes of
 the distinct storages alive at each moment (parameters excluded). Reported are the bytes held after the
 forward and the peak over forward + backward (with recompute that peak includes the one chunk being
-recomputed). Step time is the median forward+backward wall time; its physical limit under recompute is one
-extra forward pass, `step(none) + forward(none)`.
+recomputed). Step time is the median forward+backward wall time over interleaved steps (the modes take
+turns, so a load change on a shared machine hits all of them). For reference the report also gives the
+naive cost of recompute, one more forward per recomputed layer; the stack's recompute is cheaper than that
+because it replays the indexer's discrete selections instead of recomputing them.
 
 On a CUDA machine megatron-core runs natively. On a CPU-only machine megatron-core needs the CUDA redirect
 that lives with the tests (`tests/mcore_cpu/shim.py`, source checkouts only); the benchmark installs it in
@@ -36,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Batch shape, repetitions, recompute chunking and an optional plot."""
     parser.add_argument("--batch", type=int, default=2, help="micro-batch size (default 2)")
     parser.add_argument("--seq", type=int, default=256, help="sequence length (default 256)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per mode (default 5)")
+    parser.add_argument("--steps", type=int, default=9, help="timed steps per mode, interleaved (default 9)")
     parser.add_argument("--chunk", type=int, default=1, help="layers per checkpointed chunk (uniform; default 1)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1: stable timings on a shared machine)")
@@ -131,37 +133,37 @@ def _megatron_session() -> Iterator[str]:
             dist.destroy_process_group()
 
 
-def _measure(model: Any, ids: Any, probe: Any, steps: int, device: str, progress: Any) -> dict[str, float]:
+def _activation_bytes(model: Any, ids: Any, probe: Any) -> dict[str, float]:
+    """One instrumented step: bytes held after the forward and the peak over forward + backward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    meter = SavedActivationMeter(params)
+    with meter.watch():
+        logits = model(ids)
+        held = meter.live
+        (logits * probe).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return dict(held=held, peak=meter.peak)
+
+
+def _timed_step(model: Any, ids: Any, probe: Any, device: str) -> tuple[float, float]:
+    """(forward seconds, forward + backward seconds) of one step."""
     import torch
 
     def sync() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    meter = SavedActivationMeter(params)
-    with meter.watch():  # one instrumented step: activation bytes
-        logits = model(ids)
-        held = meter.live
-        (logits * probe).sum().backward()
+    sync()
+    start = time.perf_counter()
+    logits = model(ids)
+    sync()
+    middle = time.perf_counter()
+    (logits * probe).sum().backward()
+    sync()
+    end = time.perf_counter()
     model.zero_grad(set_to_none=True)
-    step_times, forward_times = [], []
-    for _ in range(steps):
-        sync()
-        start = time.perf_counter()
-        logits = model(ids)
-        sync()
-        middle = time.perf_counter()
-        (logits * probe).sum().backward()
-        sync()
-        end = time.perf_counter()
-        forward_times.append(middle - start)
-        step_times.append(end - start)
-        model.zero_grad(set_to_none=True)
-        progress()
-    return dict(held=held, peak=meter.peak, step=statistics.median(step_times),
-                forward=statistics.median(forward_times))
+    return middle - start, end - start
 
 
 def _modes(args: argparse.Namespace, layers: int) -> dict[str, dict[str, Any]]:
@@ -191,23 +193,32 @@ def run(args: argparse.Namespace) -> BenchReport:
         ids = torch.randint(0, ref.cfg.text.vocab_size, (args.batch, args.seq), generator=gen).to(device)
         probe = torch.randn(args.batch, args.seq, ref.cfg.text.vocab_size, generator=gen).to(device)
         modes = _modes(args, layers)
-        results = {}
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(modes) * (args.steps + 1), desc="recompute bench", file=sys.stderr)
+            bar = tqdm(total=len(modes) * (args.steps + 2), desc="recompute bench", file=sys.stderr)
         except ImportError:  # progress is a nicety; the numbers do not depend on it
             bar = None
         tick = (lambda: bar.update(1)) if bar is not None else (lambda: None)
+        models, results = {}, {}
         for mode, options in modes.items():
             model = DSV41ModelProvider(ref.cfg, **options).provide().to(device)
             load_reference_state(model, ref.state_dict())
             model.train()
-            model(ids).sum().backward()  # warm-up (allocator, lazy buffers)
-            model.zero_grad(set_to_none=True)
+            _timed_step(model, ids, probe, device)  # warm-up (allocator, lazy buffers)
             tick()
-            results[mode] = _measure(model, ids, probe, args.steps, device, tick)
-            del model
+            results[mode] = _activation_bytes(model, ids, probe)
+            tick()
+            models[mode] = model
+        # Round robin over the modes, so a load change on a shared machine hits every mode alike.
+        times: dict[str, list] = {mode: [] for mode in modes}
+        for _ in range(args.steps):
+            for mode, model in models.items():
+                times[mode].append(_timed_step(model, ids, probe, device))
+                tick()
+        for mode, samples in times.items():
+            results[mode]["forward"] = statistics.median(f for f, _ in samples)
+            results[mode]["step"] = statistics.median(t for _, t in samples)
         if bar is not None:
             bar.close()
 
@@ -222,12 +233,15 @@ def run(args: argparse.Namespace) -> BenchReport:
         report.add(f"activations_held_{mode}", results[mode]["held"] / MIB, "MiB", baseline="activations_held_none")
     report.add("forward_none", none["forward"], "s")
     report.add("step_none", none["step"], "s", note=f"median of {args.steps}, {device}, {args.threads} thread(s)")
-    report.add("step_ideal_full", none["step"] + none["forward"], "s", baseline="step_none",
-               note="limit: exactly one extra forward")
-    report.add("step_ideal_block", none["step"] + none["forward"] * (layers - 1) / layers, "s",
-               baseline="step_none", note=f"limit: {layers - 1}/{layers} of a forward")
-    for mode in ("full", "block"):
-        report.add(f"step_{mode}", results[mode]["step"], "s", baseline="step_none", limit=f"step_ideal_{mode}")
+    # Naive recompute costs one more forward per recomputed layer; the selection replay makes it cheaper
+    # than that (the indexer's scoring and top-k are not re-run), so these are references, not bounds.
+    report.add("step_plus_forward", none["step"] + none["forward"], "s", baseline="step_none",
+               note="step + one whole forward (naive full recompute)")
+    report.add("step_plus_forward_block", none["step"] + none["forward"] * (layers - 1) / layers, "s",
+               baseline="step_none", note=f"step + {layers - 1}/{layers} of a forward (naive block)")
+    for mode, naive in (("full", "step_plus_forward"), ("block", "step_plus_forward_block")):
+        report.add(f"step_{mode}", results[mode]["step"], "s", baseline="step_none", limit=naive,
+                   note="vs limit = vs the naive-recompute reference")
     for mode in ("full", "block"):
         memory_ratio = none["peak"] / results[mode]["peak"]
         time_ratio = results[mode]["step"] / none["step"]
@@ -254,7 +268,7 @@ def _plot(path: str, results: dict, notes: dict, args: argparse.Namespace) -> No
     mem.set_ylabel("peak activation memory (MiB)")
     mem.set_title(f"target: ≥ {MEMORY_TARGET}× less")
     step.bar(labels, [results[k]["step"] for k in keys], color=colors)
-    step.axhline(none["step"] + none["forward"], color="tab:red", linestyle="--", label="+ one forward (limit)")
+    step.axhline(none["step"] + none["forward"], color="tab:red", linestyle="--", label="+ one whole forward")
     step.axhline(none["step"] * TIME_TARGET, color="tab:green", linestyle=":", label=f"{TIME_TARGET}× target")
     step.set_ylabel("step time (s)")
     fig.legend(*step.get_legend_handles_labels(), loc="lower right", ncol=2, fontsize=8)

@@ -128,3 +128,17 @@ def test_frozen_embedding_still_trains_inner_parameters_under_recompute(setup):
             assert torch.equal(param.grad, grads[name]), name
         else:
             assert param.grad is None, name
+
+
+def test_recompute_replays_the_forward_selections(setup, monkeypatch):
+    from dsv4flash.integrations.mcore.csa2.indexer import CSA2Indexer
+
+    ref, ids, weights, _, grads = setup
+    calls = []
+    real = CSA2Indexer.select
+    monkeypatch.setattr(CSA2Indexer, "select", lambda self, scores, table: calls.append(1) or real(self, scores, table))
+    _, _, got = _run(ref, ids, weights, recompute="full")
+    # Each index source picks once, in the first pass; the backward recompute replays its choice.
+    assert len(calls) == len(ref.cfg.text.index_source_layer_ids)
+    name = "decoder.layers.8.self_attention.linear_q_up.weight"  # a Reindex layer's attention still trains
+    assert torch.equal(got[name], grads[name])

@@ -112,9 +112,13 @@ class CSA2SelfAttention(KeepFP32, MegatronModule):
         freqs = rope_frequencies(self.text, self.plan.rope_theta, self.plan.yarn)
         return rope_angles(freqs, positions)
 
-    def forward(self, hidden_states: torch.Tensor, state: CSA2State, layout: TokenLayout
-                ) -> tuple[torch.Tensor, CSA2State]:
-        """hidden_states [s,b,h] (attn_norm'd) -> (output [s,b,h], state with what this layer publishes)."""
+    def forward(self, hidden_states: torch.Tensor, state: CSA2State, layout: TokenLayout,
+                selections: dict | None = None) -> tuple[torch.Tensor, CSA2State]:
+        """hidden_states [s,b,h] (attn_norm'd) -> (output [s,b,h], state with what this layer publishes).
+
+        `selections`: the checkpointed chunk's record of discrete choices (recorded on the first pass,
+        replayed by the recompute); None outside checkpointing.
+        """
         x = hidden_states.transpose(0, 1).contiguous()  # [B,S,D]
         batch, seq, _ = x.shape
         rot = self.rotation(layout.pos)  # [B,S,rope/2]
@@ -125,7 +129,7 @@ class CSA2SelfAttention(KeepFP32, MegatronModule):
         keys = layout.extend(kv)  # [B,E,hd], key = value
         allowed = layout.window_mask(self.window)  # [B,S,E]
         if self.plan.ratio:
-            state = self._csa2(x, qr, rot, state, layout)
+            state = self._csa2(x, qr, rot, state, layout, selections)
             compressed = state.compress_kv  # [B,Tmax,hd]
             total = compressed.shape[1]
             picked = torch.zeros(batch, seq, total + 1, dtype=torch.bool, device=x.device)
@@ -149,31 +153,47 @@ class CSA2SelfAttention(KeepFP32, MegatronModule):
         return attend(q, keys, allowed)
 
     def _csa2(self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, state: CSA2State,
-              layout: TokenLayout) -> CSA2State:
+              layout: TokenLayout, selections: dict | None) -> CSA2State:
         plan = self.plan
         table = layout.groups[plan.ratio]
+        replay = selections.get(plan.layer_id) if selections is not None else None
         if plan.has_compressor:
             latent = self.compressor.pool(layout.extend(self.compressor.token_inputs(x)), table, x.dtype)  # [B,N,hd]
             group_rot = self.rotation(table.owner_group * plan.ratio)  # RoPE at each group's first position
-            # Index keys only feed the discrete top-k (no LM gradient, §13): keep them out of the graph, so full
-            # recompute does not hand the indexer zero gradients where the no-recompute run has none.
-            index_k = scatter_entries(self.indexer.index_keys(latent.detach(), group_rot), table).detach()
             compress_kv = scatter_entries(fake_quant_compressed_kv(apply_rope(latent, group_rot)), table)
+            if replay is not None:
+                index_k = replay["index_k"]
+            else:
+                # Index keys only feed the discrete top-k (no LM gradient, §13): keep them out of the graph, so
+                # full recompute does not hand the indexer zero gradients where the plain run has none.
+                index_k = scatter_entries(self.indexer.index_keys(latent.detach(), group_rot), table).detach()
             if layout.halo is not None:  # context parallel: every rank needs every owner's entries
-                index_k = all_reduce_sum_autograd(index_k, layout.halo.cp.group)
                 compress_kv = all_reduce_sum_autograd(compress_kv, layout.halo.cp.group)
+                if replay is None:
+                    index_k = all_reduce_sum_autograd(index_k, layout.halo.cp.group)
             state = state.publish(compress_kv=compress_kv, index_k=index_k, ratio=plan.ratio, kv_layer=plan.layer_id)
         if state.kv_layer != plan.kv_source:
             raise RuntimeError(f"layer {plan.layer_id}: expected compressed KV of layer {plan.kv_source}, the state "
                                f"holds layer {state.kv_layer}'s (was the CSA2 state threaded through every layer?)")
         if plan.has_indexer:
-            scores = self.indexer.scores(qr, x, state.index_k, rot, table.visible())  # [B,S,Tmax]
+            if replay is not None:
+                candidates, topk = replay["candidates"], replay["topk"]
+            else:
+                scores = self.indexer.scores(qr, x, state.index_k, rot, table.visible())  # [B,S,Tmax]
+                candidates = None
+                if plan.is_candidate_source:
+                    candidates = self.indexer.candidate_pool(scores, table)
+                elif plan.uses_candidates:
+                    scores = scores.masked_fill(~state.candidates, float("-inf"))
+                topk = self.indexer.select(scores, table)
+                if selections is not None:
+                    # Detached aliases: the chunk's outputs are marked by autograd as outputs of the checkpoint
+                    # node, and replaying that very object would loop the recompute back into its own node.
+                    selections[plan.layer_id] = {"index_k": state.index_k.detach(), "candidates": candidates,
+                                                 "topk": topk}
             if plan.is_candidate_source:
-                state = state.publish(candidates=self.indexer.candidate_pool(scores, table),
-                                      candidate_layer=plan.layer_id)
-            elif plan.uses_candidates:
-                scores = scores.masked_fill(~state.candidates, float("-inf"))
-            state = state.publish(topk=self.indexer.select(scores, table), topk_layer=plan.layer_id)
+                state = state.publish(candidates=candidates, candidate_layer=plan.layer_id)
+            state = state.publish(topk=topk, topk_layer=plan.layer_id)
         if state.topk_layer != plan.index_source:
             raise RuntimeError(f"layer {plan.layer_id}: expected top-k of layer {plan.index_source}, the state holds "
                                f"layer {state.topk_layer}'s")

@@ -135,9 +135,10 @@ class CSA2TransformerBlock(TransformerBlock):
     def _checkpointed_chunk(self, start: int, end: int, streams: torch.Tensor, ctx: CSA2Context, run: dict):
         tokens, meta_in = ctx.tokens, ctx.state.meta()
         meta_out: list = []
+        selections: dict = {}  # filled by the first pass, replayed by the recompute (see CSA2Context)
 
         def chunk(streams, *carry):
-            c = CSA2Context.from_tensors(carry, meta_in, tokens)
+            c = CSA2Context.from_tensors(carry, meta_in, tokens, selections)
             streams, c = self._run_layers(start, end, streams, c, run)
             meta_out.append(c.state.meta())  # static per layer plan; recorded for the caller
             return (streams, *c.to_tensors())
@@ -150,4 +151,4 @@ class CSA2TransformerBlock(TransformerBlock):
                                  tensor_parallel.random.get_cuda_rng_tracker, self.pg_collection.tp, *args)
         else:
             outs = tensor_parallel.checkpoint(chunk, self.config.distribute_saved_activations, *args)
-        return outs[0], CSA2Context.from_tensors(outs[1:], meta_out[0], tokens)
+        return outs[0], CSA2Context.from_tensors(outs[1:], meta_out[0], tokens)  # no replay past the chunk

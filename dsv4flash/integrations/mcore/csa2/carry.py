@@ -43,16 +43,26 @@ class CSA2Context:
     pre_mix: torch.Tensor  # [s, b, hc] fp32: the previous FFN-site `pre` (one-hot on stream 0 at the start)
     state: CSA2State
     tokens: CSA2Tokens
+    # Inside a checkpointed chunk: the discrete selections (index keys, top-k, candidates) each index source
+    # made in the chunk's first pass, by layer id. The recompute replays them instead of re-running the
+    # indexer, so backward sees exactly the forward's choices (like MoE router replay) and skips work that has
+    # no gradient. None outside checkpointing.
+    selections: Optional[dict] = None
+
+    def advance(self, pre_mix: torch.Tensor, state: CSA2State) -> "CSA2Context":
+        """The context the next layer receives."""
+        return CSA2Context(pre_mix=pre_mix, state=state, tokens=self.tokens, selections=self.selections)
 
     def to_tensors(self) -> tuple[Optional[torch.Tensor], ...]:
         """Flatten for a checkpoint boundary: (pre_mix, compress_kv, index_k, topk, candidates)."""
         return (self.pre_mix, *self.state.tensors())
 
     @classmethod
-    def from_tensors(cls, tensors, meta, tokens: CSA2Tokens) -> "CSA2Context":
+    def from_tensors(cls, tensors, meta, tokens: CSA2Tokens, selections: Optional[dict] = None) -> "CSA2Context":
         """Inverse of `to_tensors`; `meta` is `CSA2State.meta()` (which layers published what)."""
         pre_mix, *state = tensors
-        return cls(pre_mix=pre_mix, state=CSA2State.from_parts(tuple(state), meta), tokens=tokens)
+        return cls(pre_mix=pre_mix, state=CSA2State.from_parts(tuple(state), meta), tokens=tokens,
+                   selections=selections)
 
     @classmethod
     def initial(cls, hidden_states: torch.Tensor, hc: int, tokens: CSA2Tokens) -> "CSA2Context":

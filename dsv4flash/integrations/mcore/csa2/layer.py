@@ -86,14 +86,14 @@ class CSA2TransformerLayer(TransformerLayer):
         residual = x
         attn_pre, attn_post, attn_comb = self.hyper_connection("attn", x)
         y, state = self.self_attention(self.input_layernorm(collapse(x, context.pre_mix)), context.state,
-                                       tokens.layout)  # [s,b,D]
+                                       tokens.layout, context.selections)  # [s,b,D]
         x = expand(y, residual, attn_post, attn_comb)
         residual = x
         ffn_pre, ffn_post, ffn_comb = self.hyper_connection("ffn", x)
         h = self.pre_mlp_layernorm(collapse(x, attn_pre))
         y = self._mlp(h, tokens)
         x = expand(y, residual, ffn_post, ffn_comb)
-        return pack_streams(x), CSA2Context(pre_mix=ffn_pre, state=state, tokens=tokens)
+        return pack_streams(x), context.advance(ffn_pre, state)
 
     def _mlp(self, h: torch.Tensor, tokens) -> torch.Tensor:
         kwargs = {"padding_mask": tokens.padding_mask}
