@@ -31,13 +31,16 @@ def _cmd(tmp: Path, name: str, model: str, steps: int, every: int) -> list[str]:
 def _env(extra: dict | None = None) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     env.pop("DSV4FLASH_CRASH_AT", None)
+    env.pop("DSV4FLASH_HOLD_AFTER_STEP", None)
     env.update(extra or {})
     return env
 
 
 def _run(cmd, extra_env=None, kill_at_step: int | None = None) -> tuple[int, list[dict]]:
     """Run the worker; optionally SIGKILL it as soon as it reports `kill_at_step`."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(extra_env))
+    hold = {"DSV4FLASH_HOLD_AFTER_STEP": str(kill_at_step)} if kill_at_step is not None else {}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env({**(extra_env or {}), **hold}))
     events = []
     for line in proc.stdout:
         events.append(json.loads(line))

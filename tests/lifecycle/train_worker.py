@@ -13,6 +13,7 @@ import json
 import os
 import random
 import sys
+import time
 
 import numpy as np
 import torch
@@ -120,6 +121,10 @@ def main() -> int:
             log.write(json.dumps({"step": step, "loss": float(loss.detach()).hex()}) + "\n")
             log.flush()
             print(json.dumps({"step": step}), flush=True)
+            if os.environ.get("DSV4FLASH_HOLD_AFTER_STEP") == str(step):
+                # The test kills us here; holding makes "killed between checkpoints" independent of load.
+                while True:
+                    time.sleep(1)
             if step % args.ckpt_every == 0:
                 save_checkpoint(store, "run", model, opt, sched, step=step, data_position=cursor.position())
     torch.save({k: v.clone() for k, v in trainable_state(model).items()}, args.final)
