@@ -76,6 +76,8 @@ class SavedActivationMeter:
         meter = self
 
         class Held:
+            """A saved tensor and its meter key; releasing it drops the storage's reference."""
+
             __slots__ = ("tensor", "key")
 
             def __init__(self, tensor: Any, key: int | None) -> None:
@@ -86,6 +88,7 @@ class SavedActivationMeter:
                     meter._release(self.key)
 
         def pack(tensor: Any) -> Held:
+            """Count a saved tensor's storage once (parameters and empty storages are not activations)."""
             storage = tensor.untyped_storage()
             key = storage.data_ptr()
             if key in meter.exclude or storage.nbytes() == 0:
@@ -151,6 +154,7 @@ def _timed_step(model: Any, ids: Any, probe: Any, device: str) -> tuple[float, f
     import torch
 
     def sync() -> None:
+        """Wait for queued GPU work (no-op on CPU)."""
         if device == "cuda":
             torch.cuda.synchronize()
 

@@ -146,6 +146,7 @@ class CSA2SelfAttention(KeepFP32, MegatronModule):
 
     def _core_attention(self, q, keys, allowed):
         def attend(q, keys, allowed):
+            """The sparse attention core (window + picked compressed keys + sink)."""
             return sparse_attention(q, keys, allowed, self.attn_sink, self.head_dim**-0.5)
 
         if self.checkpoint_core_attention and self.training:

@@ -138,6 +138,7 @@ class CSA2TransformerBlock(TransformerBlock):
         selections: dict = {}  # filled by the first pass, replayed by the recompute (see CSA2Context)
 
         def chunk(streams, *carry):
+            """Layers [start, end) as a function of explicit tensors: (streams, carry...) -> same."""
             c = CSA2Context.from_tensors(carry, meta_in, tokens, selections)
             streams, c = self._run_layers(start, end, streams, c, run)
             meta_out.append(c.state.meta())  # static per layer plan; recorded for the caller

@@ -40,12 +40,14 @@ def all_gather_tensors(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        """[...] -> [world, ...]."""
         ctx.group = group
         ctx.rank = dist.get_rank(group)
         return all_gather_tensors(tensor, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """Sum every rank's gradient for each slot; keep this rank's slot."""
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad[ctx.rank], None
@@ -54,6 +56,7 @@ class _AllGather(torch.autograd.Function):
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        """Sum over ranks."""
         ctx.group = group
         out = tensor.contiguous().clone()
         dist.all_reduce(out, group=group)
@@ -61,6 +64,7 @@ class _AllReduceSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        """Sum of every rank's gradient (each rank consumed the sum differently)."""
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None

@@ -138,6 +138,7 @@ def _group_table(ratio: int, seq: torch.Tensor, pos: torch.Tensor, ext_seq: torc
     counts, bases = counts.to(device), bases.to(device)
 
     def lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Per-sequence value of each token's sequence (0 on padding)."""
         return torch.where(ids >= 0, table.gather(1, ids.clamp(min=0)), torch.zeros_like(ids))
 
     q_count = lookup(counts, seq)
