@@ -11,7 +11,7 @@ from tests.vllm import _vllm_helpers as vh
 from tests.vllm._twins import applied, stock
 
 PATCH_ID = "DSV41-VERL-001"
-pytestmark = pytest.mark.upstream
+pytestmark = [pytest.mark.patches, pytest.mark.upstream]
 P = "base_model.model."
 
 

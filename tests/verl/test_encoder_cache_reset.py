@@ -10,7 +10,7 @@ import pytest
 from tests.vllm._twins import stock
 
 PATCH_ID = "DSV41-VERL-005"
-pytestmark = pytest.mark.upstream
+pytestmark = [pytest.mark.patches, pytest.mark.upstream]
 
 
 class _Engine:

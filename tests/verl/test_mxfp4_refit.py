@@ -9,7 +9,7 @@ from torch import nn
 from tests.vllm._twins import stock
 
 PATCH_ID = "DSV41-VERL-002"
-pytestmark = pytest.mark.upstream
+pytestmark = [pytest.mark.patches, pytest.mark.upstream]
 E, I, H = 4, 32, 64
 
 

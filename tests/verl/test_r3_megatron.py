@@ -16,7 +16,7 @@ from dsv4flash.replay import ImageSpanLayout, r3_batch_keys
 from tests.vllm._twins import stock
 
 PATCH_ID = "DSV41-VERL-004"
-pytestmark = pytest.mark.upstream
+pytestmark = [pytest.mark.patches, pytest.mark.upstream]
 S_VOCAB, E, K = 64, 8, 2
 LAYOUT = ImageSpanLayout(compact_len=14, placeholder_rows=(3, 8), span_lengths=(6, 4))  # expanded: 21 rows
 RESPONSE = 5  # the last 5 compact rows are the generated response

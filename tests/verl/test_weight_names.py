@@ -12,7 +12,7 @@ from tests.vllm import _vllm_helpers as vh
 from tests.vllm._twins import stock
 
 PATCH_ID = "DSV41-VERL-003"
-pytestmark = pytest.mark.upstream
+pytestmark = [pytest.mark.patches, pytest.mark.upstream]
 
 
 class _Model(nn.Module):

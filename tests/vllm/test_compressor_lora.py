@@ -12,7 +12,7 @@ from tests.vllm import _vllm_helpers as vh
 from tests.vllm._twins import applied, stock
 
 PATCH_ID = "DSV41-VLLM-003"
-pytestmark = pytest.mark.upstream
+pytestmark = [pytest.mark.patches, pytest.mark.upstream]
 TARGETS = ["layers.*.attn.compressor.wkv", "layers.*.attn.compressor.wgate"]
 
 

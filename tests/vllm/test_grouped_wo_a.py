@@ -14,7 +14,7 @@ from tests.vllm import _vllm_helpers as vh
 from tests.vllm._twins import applied, stock
 
 PATCH_ID = "DSV41-VLLM-002"
-pytestmark = pytest.mark.upstream
+pytestmark = [pytest.mark.patches, pytest.mark.upstream]
 LAYER = 2  # a compressed (YaRN) layer of the tiny config
 
 
