@@ -19,6 +19,16 @@ def visible_lengths(seq_len: int, ratio: int, device) -> torch.Tensor:
     return torch.div(torch.arange(1, seq_len + 1, device=device), ratio, rounding_mode="floor")
 
 
+def topk_lowest_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest along the last dim; ties go to the lower position.
+
+    `torch.topk` breaks ties however its kernel likes, and exact ties are common here (ReLU'd index
+    scores are often exactly 0), so every implementation selects through this one rule.
+    """
+    order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return order.values[..., :k], order.indices[..., :k]
+
+
 class Indexer(nn.Module):
     """Index query `wq_b` + head weights `weights_proj`; on kv sources also the key path `wk` + `k_norm`."""
 
@@ -68,15 +78,15 @@ class Indexer(nn.Module):
         pin = (torch.arange(n_blocks, device=scores.device) == newest[:, None]) & (lengths[:, None] > 0)
         block_scores = block_scores.masked_fill(pin, float("inf"))
         keep = min(self.topk_blocks, n_blocks)
-        top = torch.topk(block_scores, keep, dim=-1)
+        values, indices = topk_lowest_first(block_scores, keep)
         chosen = torch.zeros_like(block_scores, dtype=torch.bool)
-        chosen.scatter_(-1, top.indices, top.values > float("-inf"))
+        chosen.scatter_(-1, indices, values > float("-inf"))
         return chosen.repeat_interleave(self.block_size, dim=-1)[..., :total]
 
     def select(self, scores: torch.Tensor, ratio: int) -> torch.Tensor:
         """Top-k compressed positions per query, re-sorted by position; unreachable picks become −1. -> [B,S,k]."""
         batch, seq, total = scores.shape
         k = min(self.topk, seq // ratio)  # the chunk end (prefill from 0), shared by every query
-        idx = torch.topk(scores, k, dim=-1).indices.sort(dim=-1).values
+        idx = topk_lowest_first(scores, k)[1].sort(dim=-1).values
         reach = visible_lengths(seq, ratio, scores.device)[:, None]  # [S,1]
         return torch.where(idx < reach, idx, torch.full_like(idx, -1))

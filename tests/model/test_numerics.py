@@ -94,3 +94,11 @@ def test_grouped_output_projection_is_block_diagonal():
     o = torch.randn(1, 3, 2, 6)
     dense = torch.block_diag(proj.weight[:4], proj.weight[4:])  # [8, 12]
     torch.testing.assert_close(proj(o), o.flatten(-2) @ dense.t())
+
+
+def test_index_selection_breaks_ties_toward_the_lower_position():
+    from dsv4flash.model.indexer import topk_lowest_first
+
+    scores = torch.tensor([[0.0, 1.0, 0.0, 0.0, 1.0, float("-inf")]])
+    values, indices = topk_lowest_first(scores, 4)
+    assert indices.tolist() == [[1, 4, 0, 2]] and values.tolist() == [[1.0, 1.0, 0.0, 0.0]]

@@ -2,7 +2,7 @@
 
 Scores are computed for all queries against the row's entries at once. The discrete steps (candidate
 blocks, top-k) are taken per sequence: queries are grouped by their sequence's entry count T and each group
-is cut to exactly its own T entries before `torch.topk`, so every selection runs on the same row a single
+is cut to exactly its own T entries before selection (ties: lower position first), so every selection runs on the same row a single
 sequence would present (ties, which ReLU makes common, are then broken exactly as for that sequence alone).
 """
 
@@ -17,6 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dsv4flash.integrations.mcore.csa2.layout import GroupTable
 from dsv4flash.integrations.mcore.csa2.modules import build_linear, linear_forward
+from dsv4flash.model.indexer import topk_lowest_first
 from dsv4flash.model.quant import fake_quant_index
 from dsv4flash.model.rope import apply_rope
 
@@ -100,9 +101,9 @@ class CSA2Indexer(MegatronModule):
             newest = (lengths - 1).clamp(min=0) // bs
             pin = (torch.arange(n_blocks, device=own.device) == newest[:, None]) & (lengths[:, None] > 0)
             block_scores = block_scores.masked_fill(pin, float("inf"))
-            top = torch.topk(block_scores, min(self.topk_blocks, n_blocks), dim=-1)
+            values, indices = topk_lowest_first(block_scores, min(self.topk_blocks, n_blocks))
             chosen = torch.zeros_like(block_scores, dtype=torch.bool)
-            chosen.scatter_(-1, top.indices, top.values > float("-inf"))
+            chosen.scatter_(-1, indices, values > float("-inf"))
             mask = chosen.repeat_interleave(bs, dim=-1)[:, :total]
             cols = base.unsqueeze(-1) + torch.arange(total, device=own.device)
             flat_out[rows.unsqueeze(-1), cols] = mask
@@ -118,7 +119,7 @@ class CSA2Indexer(MegatronModule):
         for rows, base, total in _per_sequence(table):
             own = _own_entries(scores, rows, base, total)
             k = min(self.topk, total)  # the sequence's own group count bounds k (REF: end_pos // ratio)
-            idx = torch.topk(own, k, dim=-1).indices.sort(dim=-1).values
+            idx = topk_lowest_first(own, k)[1].sort(dim=-1).values
             picked = torch.where(idx < reach[rows].unsqueeze(-1), idx + base.unsqueeze(-1), torch.full_like(idx, -1))
             out[rows, :k] = picked
         return out.view(batch, seq, k_max)
