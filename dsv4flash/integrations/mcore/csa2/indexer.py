@@ -2,8 +2,8 @@
 
 Scores are computed for all queries against the row's entries at once. The discrete steps (candidate
 blocks, top-k) are taken per sequence: queries are grouped by their sequence's entry count T and each group
-is cut to exactly its own T entries before selection (ties: lower position first), so every selection runs on the same row a single
-sequence would present (ties, which ReLU makes common, are then broken exactly as for that sequence alone).
+is cut to exactly its own T entries before selection, so every selection runs on the same row a single
+sequence would present; ties, which ReLU makes common, go to the lower position (`topk_lowest_first`).
 """
 
 from __future__ import annotations
