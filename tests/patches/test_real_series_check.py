@@ -1,4 +1,4 @@
-"""CI gate: the megatron-lm series applies alone and as a whole to the pinned megatron-core release.
+"""CI gate: every upstream series applies alone and as a whole to its pinned release.
 
 Runs `dsv4flash patches check --upstream megatron-lm` for real: the pinned wheel is fetched with pip from the
 package index into ~/.cache/dsv4flash (one 2.4 MB download, then cached); without network it falls back
@@ -17,14 +17,22 @@ from dsv4flash.cli import main
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
 
 
-def test_megatron_lm_series_on_the_pinned_release(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "folder, release, first_patch",
+    [
+        ("megatron-lm", "megatron-core 0.19.2", "DSV41-MCORE-001"),
+        ("vllm", "vllm 0.33.0", "DSV41-VLLM-001"),
+        ("verl", "verl 0.9.1", "DSV41-VERL-001"),
+    ],
+)
+def test_series_applies_to_the_pinned_release(folder, release, first_patch, tmp_path, capsys):
     report_path = tmp_path / "report.json"
-    main(["patches", "check", "--upstream", "megatron-lm", "--source", "auto", "--json", str(report_path)])
+    main(["patches", "check", "--upstream", folder, "--source", "auto", "--json", str(report_path)])
     report = json.loads(report_path.read_text())
     out = capsys.readouterr().out
-    assert "megatron-core 0.19.2 from" in out
-    ours = [p for p in report["patches"] if p["folder"] == "megatron-lm"]
-    assert ours and {p["patch_id"] for p in ours} >= {"DSV41-MCORE-001"}
+    assert f"{release} from" in out
+    ours = [p for p in report["patches"] if p["folder"] == folder]
+    assert ours and first_patch in {p["patch_id"] for p in ours}
     assert all(p["alone"] == "clean" and p["in_series"] == "clean" for p in ours), ours
-    errors = [p for p in report["problems"] if p["severity"] == "error" and p["where"].startswith("megatron-lm")]
+    errors = [p for p in report["problems"] if p["severity"] == "error" and p["where"].startswith(folder)]
     assert errors == []
