@@ -108,13 +108,13 @@ def test_bad_paths_and_inputs(service):
 def test_adapters_share_one_base(service):
     a = service.create_lora_training_client(rank=2, preset="decoder_half")
     b = service.create_lora_training_client(rank=4, preset="full_linear")
-    shells = list(service.base._shells.values())
     base_ptrs = {n: p.data_ptr() for n, p in service.base.model.named_parameters()}
-    for shell in shells:
-        for n, p in shell.named_parameters():
-            if not n.endswith((".lora_A", ".lora_B")):
-                assert p.data_ptr() == base_ptrs[n.replace(".base.", ".")] or True
-    assert {k for k in a.adapter}.isdisjoint(set()) and a.adapter is not b.adapter
+    assert len(service.base._shells) >= 2
+    for shell in service.base._shells.values():
+        shared = {n.replace(".base.", "."): p.data_ptr() for n, p in shell.named_parameters()
+                  if not n.endswith((".lora_A", ".lora_B"))}
+        assert shared == base_ptrs  # every base tensor is the resident one (held once)
+    assert all(a.adapter[k].data_ptr() != b.adapter[k].data_ptr() for k in set(a.adapter) & set(b.adapter))
     s = a.save_weights_and_get_sampling_client()
     r = s.sample(types.ModelInput.from_ints([0, 5, 6]), 2, types.SamplingParams(max_tokens=2, seed=1)).result()
     assert len(r.sequences) == 2 and all(len(q.tokens) == len(q.logprobs) for q in r.sequences)
