@@ -10,6 +10,7 @@ the shard count or tensor order.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from pathlib import Path
@@ -22,8 +23,10 @@ from dsv4flash_bridge import codecs
 from dsv4flash_bridge.safetensors_io import SafetensorsWriter, TensorSpec, library_order
 from dsv4flash_bridge.sharded import write_index
 
-__all__ = ["write_release_checkpoint", "largest_tensor_bytes", "GENERATOR_CHUNK_ROWS"]
+__all__ = ["write_release_checkpoint", "largest_tensor_bytes", "mid_config", "GENERATOR_CHUNK_ROWS"]
 
+_SCALARS = ("engram_vocab_size", "engram_n_heads", "engram_max_ngram_size", "engram_layer_ids",
+            "engram_compressed_vocab_size")
 GENERATOR_CHUNK_ROWS = 4096  # a multiple of 32, so dense blocks never straddle chunks
 
 
@@ -75,6 +78,31 @@ def _assign_shards(rows: Sequence[StoredTensor], shards: int) -> dict[str, str]:
         if r.name.endswith(".scale") and weight in out:
             out[r.name] = out[weight]
     return out
+
+
+def mid_config(hidden: int = 1024, experts: int = 8, engram_rows: int = 1 << 18, vocab: int = 16384):
+    """A mid-size config with the release's structure: flash's 40 layers, layer plan (compressor/indexer/
+    candidate sources), two Engram tables, 32-block ViT, aligner, delimiters and 3 DSpark stages, with smaller
+    widths, fewer experts, a smaller vocabulary and `engram_rows`-row Engram tables. For benchmarks and
+    tests that need real-format bytes at a size between `tiny` and the release."""
+    from dsv4flash.config import DSV41FlashConfig, _derive_engram_layouts, load_config
+
+    if hidden % 128 or experts < 2:
+        raise ValueError(f"mid_config: hidden must be a multiple of 128 and experts >= 2, got {hidden}, {experts}")
+    data = load_config("flash").to_hf()
+    text, vision = data["text_config"], data["vision_config"]
+    text.update(vocab_size=vocab, hidden_size=hidden, moe_intermediate_size=hidden // 2,
+                num_attention_heads=hidden // 64, head_dim=128, q_lora_rank=hidden // 4, o_lora_rank=hidden // 4,
+                o_groups=4, n_routed_experts=experts, num_experts_per_tok=min(4, experts), index_n_heads=8,
+                index_head_dim=64, dspark_markov_rank=64, dspark_n_routed_experts=max(2, experts // 2),
+                dspark_num_experts_per_tok=2, dspark_noise_token_id=vocab - 2,
+                engram_vocab_size=max(64, engram_rows // (text["engram_n_heads"] * (text["engram_max_ngram_size"] - 1))))
+    # Table rows are the sums of each layer's hash-bucket primes, which start at engram_vocab_size.
+    probe = dataclasses.replace(load_config("flash").text, **{k: v for k, v in text.items() if k in _SCALARS})
+    text["engram_num_embeddings"] = [layout.num_rows for layout in _derive_engram_layouts(probe)]
+    vision.update(hidden_size=256, num_attention_heads=4, intermediate_size=704)
+    data["image_token_id"] = vocab - 16
+    return DSV41FlashConfig.from_hf(data, name=f"mid-{hidden}x{experts}", source="mid_config")
 
 
 def write_release_checkpoint(dst: str | Path, config="tiny", *, rows: Sequence[StoredTensor] | None = None,

@@ -1,0 +1,184 @@
+"""`DSV41Bridge`: Megatron-Bridge's model bridge for DeepSeek-V4.1 (`DeepseekV41ForCausalLM`) on the plugin's
+Megatron-Core model (`DSV41MegatronModel`, built by `DSV41ModelProvider`).
+
+- **Names** come from the bridge's name table (`mappings.build_registry`), the same table the converter and
+  the Megatron loader use.
+- **Import** decodes each quantized release weight with the bridge codecs (`dsv4flash_bridge.codecs`): dense
+  FP8 over **32×32** blocks (Megatron-Bridge's `maybe_dequantize_hf_quantized_weight` assumes 128 and would
+  silently mis-decode), routed experts as MXFP4 (1×32, low nibble = even column), Engram rows per-row 1×32.
+- **Export** re-encodes every quantized weight with the checkpoint's own scales as `like_scale`, so an
+  unchanged weight comes back byte-identical and a changed block gets its canonical power-of-two scale;
+  unquantized tensors are cast to their stored dtype. Re-encoding happens after LoRA merging (Megatron-Bridge
+  merges after `maybe_modify_converted_hf_weight`, which would add a delta to FP8 bytes), so it is done on
+  the exported stream instead; grouped `wo_a` adapters are merged there too.
+- **Adapters**: `stream_adapter_weights_megatron_to_hf` adds the block-diagonal `wo_a` adapters
+  (`grouped_lora.py`) to Megatron-Bridge's own; `peft_export.save_peft_adapter` writes them in the plugin's
+  PEFT format.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, List, Mapping, Optional, Union
+
+import torch
+from megatron.bridge.models.conversion.model_bridge import HFWeightTuple, MegatronModelBridge
+from megatron.core import parallel_state
+
+from dsv4flash.config import DSV41FlashConfig, load_config
+from dsv4flash.quant_plan import QuantRole, quant_role, scale_name
+from dsv4flash_bridge import codecs
+from dsv4flash_bridge.mapping import megatron_lookup
+
+__all__ = ["DSV41Bridge", "SOURCE", "MODEL_TYPE"]
+
+SOURCE = "DeepseekV41ForCausalLM"
+MODEL_TYPE = "deepseek_v41"
+_QUANTIZED = (QuantRole.DENSE_FP8, QuantRole.EXPERT_MXFP4, QuantRole.ENGRAM_FP8)
+
+
+class DSV41Bridge(MegatronModelBridge):
+    """HF-layout (release) V4.1 checkpoint <-> `DSV41MegatronModel`; registered by `register()`."""
+
+    decode_dtype: torch.dtype = torch.float32  # exact for every valid stored tensor
+
+    # ---- model -----------------------------------------------------------------------------------------
+    def provider_bridge(self, hf_pretrained):
+        """A `DSV41ModelProvider` for the checkpoint's `config.json`."""
+        from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider
+
+        return DSV41ModelProvider(release_config(hf_pretrained))
+
+    @classmethod
+    def megatron_to_hf_config(cls, provider) -> dict:
+        """The release `config.json` dict of a provider's V4.1 config."""
+        return provider.dsv4.to_hf()
+
+    def mapping_registry(self):
+        """Every rule of the name table as a Megatron-Bridge mapping."""
+        from dsv4flash.integrations.mbridge.mappings import build_registry
+
+        return build_registry()
+
+    # ---- import ----------------------------------------------------------------------------------------
+    def maybe_modify_loaded_hf_weight(self, hf_param: Union[str, Mapping[str, str]], hf_state_dict):
+        """Read the release tensor(s) of a mapping, decoding quantized ones with their `.scale`."""
+        if isinstance(hf_param, str):
+            return self._load(hf_param, hf_state_dict)
+        return {key: self._load(name, hf_state_dict) for key, name in hf_param.items()}
+
+    def _load(self, name: str, hf_state_dict) -> torch.Tensor:
+        role = quant_role(name)
+        if role not in _QUANTIZED:
+            return hf_state_dict[name]
+        q, s = hf_state_dict[name], hf_state_dict[scale_name(name)]
+        return codecs.decode(role, q, s, dtype=self.decode_dtype, name=name)
+
+    # ---- export ----------------------------------------------------------------------------------------
+    def maybe_modify_converted_hf_weight(self, task, converted_weights_dict, hf_state_dict):
+        """Pass through: re-encoding waits until adapters are merged (see `stream_weights_megatron_to_hf`)."""
+        return converted_weights_dict
+
+    def stream_weights_megatron_to_hf(self, megatron_model, hf_pretrained, cpu: bool = True,
+                                      show_progress: bool = True, conversion_tasks=None,
+                                      merge_adapter_weights: bool = True,
+                                      weight_dtype: Optional[torch.dtype] = None) -> Iterator[HFWeightTuple]:
+        """Megatron -> release tensors: gathered, LoRA merged (grouped `wo_a` included), then stored as the
+        release stores them (quantized with the checkpoint's scales as `like_scale`, others cast). With
+        `weight_dtype`, nothing is re-quantized and everything is cast to it."""
+        from dsv4flash.integrations.mbridge.grouped_lora import grouped_adapters
+
+        models = megatron_model if isinstance(megatron_model, list) else [megatron_model]
+        deltas = {}
+        if merge_adapter_weights:
+            for prefix, wrapper in _all_grouped(models, grouped_adapters).items():
+                deltas[megatron_lookup(prefix + ".weight").release[0]] = _gather_groups(wrapper.delta_weight())
+        hf_state_dict = hf_pretrained.state if hasattr(hf_pretrained, "state") else {}
+        stream = super().stream_weights_megatron_to_hf(megatron_model, hf_pretrained, cpu=cpu,
+                                                       show_progress=show_progress, conversion_tasks=conversion_tasks,
+                                                       merge_adapter_weights=merge_adapter_weights,
+                                                       weight_dtype=weight_dtype)
+        for name, tensor in stream:
+            name = name.replace(".base_layer.", ".")  # unmerged export names the base like PEFT; the release does not
+            if name in deltas:
+                tensor = (tensor.float() + deltas.pop(name).to(tensor.device)).to(tensor.dtype)
+            if weight_dtype is not None:
+                yield HFWeightTuple(name, tensor.to(weight_dtype))
+            else:
+                yield from self._to_release(name, tensor, hf_state_dict)
+        if deltas:
+            raise RuntimeError(f"grouped adapters on {sorted(deltas)[:3]} had no base weight in the export")
+
+    def _to_release(self, name: str, tensor: torch.Tensor, hf_state_dict) -> Iterator[HFWeightTuple]:
+        role = quant_role(name)
+        if role in _QUANTIZED:
+            like = hf_state_dict[scale_name(name)]
+            q, s = codecs.encode(role, tensor, like_scale=like, name=name)
+            yield HFWeightTuple(name, q)
+            yield HFWeightTuple(scale_name(name), s)
+            return
+        yield HFWeightTuple(name, tensor.to(_stored_dtype(name, hf_state_dict)))
+
+    def stream_adapter_weights_megatron_to_hf(self, megatron_model, cpu: bool = True, show_progress: bool = True,
+                                              exclude_adapter_base_prefixes: Optional[Iterable[str]] = None
+                                              ) -> Iterator[HFWeightTuple]:
+        """Unmerged adapters with release names: block-diagonal `wo_a` factors first (`<wo_a>.lora_A.weight`
+        [G, r, in_g] / `.lora_B.weight` [G, out_g, r], or the shared-A shapes), then Megatron-Bridge's own."""
+        from dsv4flash.integrations.mbridge.grouped_lora import grouped_adapters
+
+        models = megatron_model if isinstance(megatron_model, list) else [megatron_model]
+        excluded = list(exclude_adapter_base_prefixes or ())
+        grouped = _all_grouped(models, grouped_adapters)
+        for prefix, wrapper in grouped.items():
+            if excluded and prefix.startswith(tuple(excluded)):
+                continue
+            stem = megatron_lookup(prefix + ".weight").release[0].removesuffix(".weight")
+            a, b = wrapper.adapter.lora_A.detach(), wrapper.adapter.lora_B.detach()
+            if wrapper.adapter.mode == "per_group":
+                a = _gather_groups(a)
+            b = _gather_groups(b)
+            yield HFWeightTuple(f"{stem}.lora_A.weight", a.cpu() if cpu else a)
+            yield HFWeightTuple(f"{stem}.lora_B.weight", b.cpu() if cpu else b)
+        yield from super().stream_adapter_weights_megatron_to_hf(
+            megatron_model, cpu=cpu, show_progress=show_progress,
+            exclude_adapter_base_prefixes=excluded + list(grouped))
+
+
+def release_config(hf_pretrained) -> DSV41FlashConfig:
+    """The V4.1 config of a pretrained wrapper: its `.dsv4`, else its directory's `config.json`."""
+    cfg = getattr(hf_pretrained, "dsv4", None)
+    if cfg is not None:
+        return cfg
+    path = getattr(hf_pretrained, "model_name_or_path", None)
+    if path is None:
+        raise ValueError("DSV41Bridge needs a checkpoint directory (model_name_or_path) or a `.dsv4` config")
+    from pathlib import Path
+
+    return load_config(Path(path) / "config.json")
+
+
+def _stored_dtype(name: str, hf_state_dict) -> torch.dtype:
+    """The release dtype of an unquantized tensor (from the header when the source can tell without reading)."""
+    source = getattr(hf_state_dict, "source", None)
+    if source is not None and hasattr(source, "info"):
+        return source.info(name).torch_dtype
+    return hf_state_dict[name].dtype
+
+
+def _all_grouped(models: List[torch.nn.Module], finder) -> dict:
+    """Grouped adapters of every model chunk, by Megatron module name."""
+    out = {}
+    for model in models:
+        out.update(finder(model))
+    return out
+
+
+def _gather_groups(local: torch.Tensor) -> torch.Tensor:
+    """Concatenate a per-group tensor's tensor-parallel shards along dim 0 (groups are split over TP)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return local
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    if size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(size)]
+    torch.distributed.all_gather(parts, local.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=0)
