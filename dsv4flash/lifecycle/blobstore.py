@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from dsv4flash.lifecycle.errors import IntegrityError
+from dsv4flash.atomic_io import fsync_path
 from dsv4flash.lifecycle.faults import crashpoint
 
 __all__ = ["BlobStore", "BlobWriter", "BlobInfo", "fsync_dir", "sha256_file"]
@@ -26,11 +27,7 @@ _HEX = frozenset("0123456789abcdef")
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename/create/unlink in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 16 << 20) -> str:

@@ -19,14 +19,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from dsv4flash.lifecycle.blobstore import fsync_dir
+from dsv4flash.atomic_io import publish_directory
 from dsv4flash.lifecycle.errors import AdapterFormatError
 from dsv4flash.lifecycle.faults import crashpoint
 from dsv4flash.lifecycle.packed import EXPERT_PROJECTIONS, PackedMoELoRA
@@ -62,31 +60,8 @@ def _base_config(adapter: PackedMoELoRA, base_model_name_or_path: str | None, la
 
 
 def _write_dir(directory: str | os.PathLike, overwrite: bool, write: Callable[[Path], None]) -> Path:
-    target = Path(directory)
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target} exists (pass overwrite=True to replace it)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        write(tmp)
-        for p in tmp.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(tmp)
-        crashpoint("export.before_rename")
-        old = None
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(target, old)
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    return publish_directory(directory, write, overwrite=overwrite, what="export",
+                             before_rename=lambda: crashpoint("export.before_rename"))
 
 
 def _write_files(tmp: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:

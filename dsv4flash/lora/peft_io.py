@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dsv4flash.atomic_io import publish_directory
 from dsv4flash.lora.apply import LoraHandle, apply_lora, get_handle, require_handle
 from dsv4flash.lora.config import LoraConfig
 from dsv4flash.lora.state import PEFT_PREFIX, load_lora_state_dict, lora_state_dict
@@ -64,32 +63,14 @@ def save_peft_adapter(model: nn.Module, handle: LoraHandle | None, directory: st
                       base_model_name_or_path: str | None = None, overwrite: bool = False) -> Path:
     """Write the adapter as a PEFT directory (temp dir, fsync, rename: never half-written) -> its path."""
     handle = handle or require_handle(model, "save_peft_adapter")
-    target = Path(directory)
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"save_peft_adapter: {target} exists (pass overwrite=True to replace it)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+
+    def write(tmp: Path) -> None:
         tensors = {PEFT_PREFIX + k: v.contiguous().cpu() for k, v in lora_state_dict(model).items()}
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         text = json.dumps(adapter_config(model, handle, base_model_name_or_path), indent=2, sort_keys=True)
         (tmp / CONFIG_NAME).write_text(text + "\n")
-        for name in (WEIGHTS_NAME, CONFIG_NAME):
-            _fsync(tmp / name)
-        _fsync(tmp)
-        old = None
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(target, old)
-        os.replace(tmp, target)
-        _fsync(target.parent)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+
+    return publish_directory(directory, write, overwrite=overwrite, what="save_peft_adapter")
 
 
 def read_adapter_config(directory: str | os.PathLike) -> dict:
@@ -142,11 +123,3 @@ def _check_base(model: nn.Module, base: dict, where: Path) -> None:
     for key, value in mine.items():
         if key in base and base[key] != value:
             raise ValueError(f"{where}: adapter was trained on a base with {key}={base[key]}, this model has {value}")
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
