@@ -53,9 +53,17 @@ class RunSpec:
 def make_spec(variant: Variant, seed: int, steps: int, user_overrides: list[str], plateau_fractions) -> RunSpec:
     """The train overrides of one grid cell: SFT on the chosen data, evaluations at the plateau steps."""
     points = plateau_steps(steps, plateau_fractions)
-    overrides = ["algorithm=sft", *variant.train_overrides(), f"seed={seed}", f"lora.seed={seed}",
-                 f"engine.steps={steps}", f"engine.eval_every={eval_every_for(points)}",
-                 "engine.eval_generate=false", "engine.progress=off", *user_overrides]
+    # SFT, as the study, unless the user picks another algorithm (engine=verl trains GRPO only).
+    algorithm = [] if any(o.split("=", 1)[0].lstrip("+~") == "algorithm" for o in user_overrides) else ["algorithm=sft"]
+    every = eval_every_for(points)
+    engine = next((o.split("=", 1)[1] for o in user_overrides if o.split("=", 1)[0].lstrip("+") == "engine"), "local")
+    if engine == "verl":  # the same schedule in veRL's terms (validation every `test_freq` steps)
+        schedule = [f"engine.total_training_steps={steps}", f"engine.test_freq={every}"]
+    else:
+        schedule = [f"engine.steps={steps}", f"engine.eval_every={every}", "engine.eval_generate=false",
+                    "engine.progress=off"]
+    overrides = [*algorithm, *variant.train_overrides(), f"seed={seed}", f"lora.seed={seed}", *schedule,
+                 *user_overrides]
     return RunSpec(variant.name, seed, steps, points, tuple(overrides))
 
 
