@@ -1,0 +1,137 @@
+"""Policy service benchmarks on the tiny model.
+
+shared: N = 1, 2, 4, 8 decoder-only adapters scoring the same prompt batch, shared encoder vs separate passes
+(target ≥ 1.8× throughput at N = 8). grpo: 3 GRPO policies with a reward function that sleeps, sequential vs
+concurrent on one resident base: makespan ratio (MinT: 1.77×) and peak RSS of each mode (each in a fresh process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import resource
+import statistics
+import time
+
+import torch
+
+from dsv4flash.bench.report import BenchReport
+
+TARGET_SHARED = 1.8
+MINT_GRPO = 1.77
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Bench options."""
+    parser.add_argument("--part", choices=("all", "shared", "grpo"), default="all")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=4, help="prompts per shared-encoder batch")
+    parser.add_argument("--seq", type=int, default=64, help="prompt length")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--grpo-steps", type=int, default=3)
+    parser.add_argument("--reward-latency", type=float, default=0.05, help="seconds per reward call")
+    parser.add_argument("--plot", metavar="PNG", help="also write a chart of both comparisons")
+
+
+def _shared(args, rep: BenchReport) -> dict:
+    from dsv4flash.lora import LoraConfig
+    from dsv4flash.service.resident import ResidentBase
+    from dsv4flash.service.shared_encoder import multi_adapter_logits
+
+    resident = ResidentBase("tiny")
+    pc = LoraConfig(preset="decoder_half", rank=8)
+    gen = torch.Generator().manual_seed(0)
+    adapters = [(pc, {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in resident.fresh_adapter(pc).items()})
+                for _ in range(8)]
+    ids = torch.randint(3, 400, (args.batch, args.seq), generator=gen)
+    out = {}
+    for n in (1, 2, 4, 8):
+        times = {True: [], False: []}
+        for _ in range(args.repeats):
+            for share in (False, True):
+                t0 = time.perf_counter()
+                multi_adapter_logits(resident, ids, adapters[:n], share=share)
+                times[share].append(time.perf_counter() - t0)
+        sep, sh = statistics.median(times[False]), statistics.median(times[True])
+        rows = n * args.batch
+        rep.add(f"separate_N{n}", rows / sep, "seq/s", note=f"{n} adapters, full forward each")
+        rep.add(f"shared_N{n}", rows / sh, "seq/s", baseline=f"separate_N{n}", note="encoder + source KV once")
+        out[n] = sep / sh
+    rep.target(f"shared-encoder throughput at N=8 {out[8]:.2f}x >= {TARGET_SHARED}x separate", out[8] >= TARGET_SHARED)
+    return out
+
+
+def _grpo_worker(mode: str, steps: int, latency: float, threads: int, q) -> None:
+    torch.set_num_threads(threads)
+    from dsv4flash.service import ServiceClient
+    from dsv4flash.service.scheduler import GRPOPolicySpec, run_concurrent, run_sequential
+
+    def reward(tokens):
+        time.sleep(latency)
+        return float(tokens[-1] % 3 == 0)
+
+    specs = [GRPOPolicySpec(f"p{i}", seed=i, prompts=[[0, 20 + i, 21, 22], [0, 30 + i, 31, 32]], reward_fn=reward,
+                            steps=steps, group_size=4, max_tokens=4) for i in range(3)]
+    service = ServiceClient("tiny")
+    results, makespan = (run_concurrent if mode == "concurrent" else run_sequential)(service, specs)
+    phases = {k: sum(r.phase_s[k] for r in results) for k in results[0].phase_s}
+    q.put((makespan, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, service.base.base_bytes(), phases))
+
+
+def _grpo(args, rep: BenchReport) -> dict:
+    ctx = mp.get_context("spawn")
+    res = {}
+    for mode in ("sequential", "concurrent"):
+        q = ctx.Queue()
+        p = ctx.Process(target=_grpo_worker, args=(mode, args.grpo_steps, args.reward_latency, args.threads, q))
+        p.start()
+        res[mode] = q.get()
+        p.join()
+    seq, con = res["sequential"], res["concurrent"]
+    rep.add("grpo_sequential_makespan", seq[0], "s", note=f"3 policies x {args.grpo_steps} steps, one after another; "
+            f"score phase {seq[3]['score']:.1f}s of it")
+    rep.add("grpo_concurrent_makespan", con[0], "s", baseline="grpo_sequential_makespan",
+            note="interleaved on one resident base")
+    rep.add("grpo_sequential_peak_rss", seq[1] / 2**20, "MiB", note=f"base {seq[2] / 2**20:.1f} MiB held once")
+    rep.add("grpo_concurrent_peak_rss", con[1] / 2**20, "MiB", baseline="grpo_sequential_peak_rss")
+    ratio = seq[0] / con[0]
+    rep.target(f"concurrent GRPO makespan ratio {ratio:.2f}x (MinT 4B: {MINT_GRPO}x) with peak RSS "
+               f"{con[1] / seq[1]:.2f}x of sequential", ratio >= MINT_GRPO)
+    return {"ratio": ratio, "rss": (seq[1] / 2**20, con[1] / 2**20), "makespan": (seq[0], con[0])}
+
+
+def run(args: argparse.Namespace) -> BenchReport:
+    """Run the selected parts and report side by side."""
+    torch.set_num_threads(args.threads)
+    rep = BenchReport(f"policy service, tiny model, {args.threads} thread(s)")
+    shared = _shared(args, rep) if args.part in ("all", "shared") else None
+    grpo = _grpo(args, rep) if args.part in ("all", "grpo") else None
+    if args.plot:
+        _plot(shared, grpo, args.plot, rep.title)
+    return rep
+
+
+def _plot(shared, grpo, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    if shared:
+        ns = sorted(shared)
+        axes[0].plot(ns, [shared[n] for n in ns], "o-", label="shared / separate")
+        axes[0].axhline(TARGET_SHARED, ls="--", color="r", label=f"target {TARGET_SHARED}x")
+        axes[0].set_xlabel("adapters N")
+        axes[0].set_ylabel("throughput ratio")
+        axes[0].legend()
+    if grpo:
+        axes[1].bar(["seq makespan", "conc makespan"], grpo["makespan"], color=["#888", "#2a7"])
+        ax2 = axes[1].twinx()
+        ax2.plot(["seq makespan", "conc makespan"], grpo["rss"], "ks--", label="peak RSS (MiB)")
+        axes[1].set_ylabel("s")
+        ax2.set_ylabel("MiB")
+        ax2.legend(loc="lower right")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
