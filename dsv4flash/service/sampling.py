@@ -55,6 +55,14 @@ class SamplingClient:
         """log p(token_t | tokens_<t) for every prompt token (None for the first)."""
         return self._exec.submit(self._prompt_logprobs, prompt.to_ints())
 
+    async def sample_async(self, *args, **kwargs) -> APIFuture:
+        """Async twin of `sample`."""
+        return self.sample(*args, **kwargs)
+
+    async def compute_logprobs_async(self, *args, **kwargs) -> APIFuture:
+        """Async twin of `compute_logprobs`."""
+        return self.compute_logprobs(*args, **kwargs)
+
     # ---- work ----
     def _model(self):
         base = self.service.base

@@ -28,7 +28,10 @@ def target_logprobs(model, data: list[Datum]) -> list[torch.Tensor]:
     tgt = torch.zeros((len(rows), width), dtype=torch.long)
     for i, (r, t) in enumerate(zip(rows, targets)):
         ids[i, : len(r)], tgt[i, : len(r)] = torch.tensor(r), t
-    logits = model(ids)  # [B,W,V] fp32
+    from dsv4flash.lora import forward_with_early_stop
+
+    # Frozen prefix (e.g. decoder_half's encoder) runs without autograd; same logits as model(ids).
+    logits = forward_with_early_stop(model, ids) if torch.is_grad_enabled() else model(ids)  # [B,W,V] fp32
     logp = F.log_softmax(logits, dim=-1).gather(-1, tgt[..., None]).squeeze(-1)  # [B,W]
     return [logp[i, : len(r)] for i, r in enumerate(rows)]
 
@@ -91,6 +94,27 @@ class TrainingClient:
     def get_tokenizer(self):
         """The base model's tokenizer."""
         return self.service.get_tokenizer()
+
+    # ---- async twins (Tinker: `fut = await tc.forward_backward_async(...)`; `out = await fut`) ----
+    async def forward_async(self, *args, **kwargs) -> APIFuture:
+        """Async twin of `forward`."""
+        return self.forward(*args, **kwargs)
+
+    async def forward_backward_async(self, *args, **kwargs) -> APIFuture:
+        """Async twin of `forward_backward`."""
+        return self.forward_backward(*args, **kwargs)
+
+    async def optim_step_async(self, *args, **kwargs) -> APIFuture:
+        """Async twin of `optim_step`."""
+        return self.optim_step(*args, **kwargs)
+
+    async def save_state_async(self, *args, **kwargs) -> APIFuture:
+        """Async twin of `save_state`."""
+        return self.save_state(*args, **kwargs)
+
+    async def save_weights_for_sampler_async(self, *args, **kwargs) -> APIFuture:
+        """Async twin of `save_weights_for_sampler`."""
+        return self.save_weights_for_sampler(*args, **kwargs)
 
     # ---- work (on this client's worker thread) ----
     def _forward_backward(self, data, loss_fn, loss_fn_config, backward: bool) -> ForwardBackwardOutput:

@@ -118,3 +118,34 @@ def test_adapters_share_one_base(service):
     s = a.save_weights_and_get_sampling_client()
     r = s.sample(types.ModelInput.from_ints([0, 5, 6]), 2, types.SamplingParams(max_tokens=2, seed=1)).result()
     assert len(r.sequences) == 2 and all(len(q.tokens) == len(q.logprobs) for q in r.sequences)
+
+
+def test_async_twins_double_await(service):
+    import asyncio
+
+    tc = service.create_lora_training_client(rank=2, preset="decoder_half")
+
+    async def main():
+        fb = await tc.forward_backward_async([_datum([0, 5, 6, 7])], "cross_entropy")
+        opt = await tc.optim_step_async(types.AdamParams())
+        return await fb, await opt
+
+    out, step = asyncio.run(main())
+    assert out.metrics["loss:sum"] > 0 and step.metrics["step"] == 1.0
+
+
+def test_early_stopped_backward_matches_full_gradient(service):
+    from dsv4flash.service.training import target_logprobs
+
+    tc = service.create_lora_training_client(rank=2, preset="decoder_half", seed=2)
+    data = [_datum([0, 5, 6, 7, 8])]
+    with service.base.bind(tc.placement, tc.adapter) as model:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for k, p in tc.adapter.items():
+                p.add_(torch.randn_like(p) * 0.01)
+        lp_es = target_logprobs(model, data)[0]
+        with torch.no_grad():
+            full = model(torch.tensor([data[0].model_input.to_ints()]))
+        lp_full = torch.log_softmax(full, -1)[0].gather(-1, data[0].loss_fn_inputs["target_tokens"].to_torch()[:, None])
+    assert torch.equal(lp_es.detach(), lp_full.squeeze(-1))
