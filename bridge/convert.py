@@ -27,20 +27,23 @@ __all__ = ["ConvertError", "Summary", "import_release", "export_release", "SIDEC
            "DEFAULT_CHUNK_BYTES", "bench_convert"]
 
 
-def bench_convert(scale: float = 1.0, chunk_bytes: int = 32 << 20) -> tuple[int, int, int]:
-    """Import a synthetic release checkpoint in a fresh process. Returns (peak RSS growth during the
-    conversion, the process's peak RSS, the largest tensor's decoded bytes), all in bytes."""
+def bench_convert(config: str = "mid", scale: float = 1.0, chunk_bytes: int = 32 << 20,
+                  naming: str = "release") -> tuple[int, int, int, int, int]:
+    """Write a synthetic release checkpoint and import it in a fresh process. `config` is "mid" (the release's
+    structure at hidden 512, 4 experts, a 8192 vocabulary and Engram tables of about 2^18·scale rows; see
+    `synthetic.mid_config`) or any flavour/config path. Returns (peak RSS growth during the conversion, the
+    process's peak RSS, the largest tensor's decoded bytes, the checkpoint's stored bytes, its tensor
+    count), sizes in bytes."""
     import subprocess
     import sys
     import tempfile
 
-    from dsv4flash.quant_plan import stored_layout
-    from dsv4flash_bridge.synthetic import largest_tensor_bytes, write_release_checkpoint
+    from dsv4flash.census import census
+    from dsv4flash_bridge.synthetic import largest_tensor_bytes, mid_config, write_release_checkpoint
 
-    logical = {"layers.1.engram.embed.weight": (1 << 18, 256), "layers.0.attn.wo_b.weight": (4096, 4096),
-               "layers.0.ffn.experts.0.w1.weight": (2304, 5120), "embed.weight": (16384, 1024)}
-    rows = [stored for name, (r, c) in logical.items()
-            for stored in stored_layout(name, (max(32, int(r * scale) // 32 * 32), c))]
+    cfg = mid_config(hidden=512, experts=4, vocab=8192, engram_rows=max(2048, int((1 << 18) * scale))) \
+        if config == "mid" else config
+    rows = census(cfg)
     # Linux: writing 5 to clear_refs resets the peak (VmHWM), so the peak below is the conversion's own.
     script = f"""
 import re, sys
@@ -48,12 +51,12 @@ from dsv4flash_bridge.convert import import_release
 def status(key): return int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
 open("/proc/self/clear_refs", "w").write("5")
 base = status("VmRSS")
-import_release(sys.argv[1], sys.argv[2], chunk_bytes={chunk_bytes}, progress=False)
+import_release(sys.argv[1], sys.argv[2], chunk_bytes={chunk_bytes}, naming={naming!r}, progress=False)
 print(status("VmHWM") - base, status("VmHWM"))
 """
     with tempfile.TemporaryDirectory() as tmp:
-        write_release_checkpoint(Path(tmp) / "release", rows=rows, shards=2)
+        write_release_checkpoint(Path(tmp) / "release", cfg, shards=4)
         done = subprocess.run([sys.executable, "-c", script, str(Path(tmp) / "release"), str(Path(tmp) / "bf16")],
                               capture_output=True, text=True, check=True)
         growth, peak = (int(v) for v in done.stdout.split()[-2:])
-        return growth, peak, largest_tensor_bytes(rows)
+        return growth, peak, largest_tensor_bytes(rows), sum(r.nbytes for r in rows), len(rows)

@@ -5,14 +5,14 @@ and the best time counts. Bandwidth is bytes written per second: decoded output 
 reused buffer, as a streaming converter does), input bytes for encode, and bytes copied for memcpy (a torch
 `copy_` between two warm buffers as large as the largest decoded output). The naive decode is the
 per-element reference of `dsv4flash_bridge.naive_codecs` timed on a small sample and scaled per element.
-The streaming-convert peak-RSS figure is filled in by `dsv4flash_bridge.convert.bench_convert` when that
-module exists.
+The streaming-convert peak-RSS figure imports a synthetic release-format checkpoint (`--convert-config`,
+by default a mid-size one with the release's structure) in a fresh process and compares the peak RSS growth
+with the checkpoint's largest decoded tensor (`dsv4flash_bridge.convert.bench_convert`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import time
 from typing import Callable
 
@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--naive-elements", type=int, default=4096, help="elements decoded by the naive reference")
     parser.add_argument("--plot", metavar="PNG", help="also draw decode bandwidth per layout as a bar chart")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave as is)")
+    parser.add_argument("--convert-config", default="mid",
+                        help="checkpoint for the streaming-convert RSS figure: 'mid' (release structure, hidden 512, "
+                             "4 experts, Engram tables of 2^18·scale rows) or a flavour name / config.json path")
+    parser.add_argument("--convert-naming", choices=("release", "megatron"), default="release",
+                        help="output naming of the measured import")
 
 
 def _stored(layout: str, rows: int, cols: int):
@@ -123,7 +128,7 @@ def run(args: argparse.Namespace) -> BenchReport:
         for kind in ("encode", "encode like_scale"):
             fig = f"{layout} {kind}"
             report.add(fig, rows * cols * 2 / best[fig] / 1e9, "GB/s", limit="memcpy", note="bf16 input bytes")
-    _convert_rss(report, args.scale)
+    _convert_rss(report, args)
     if args.plot:
         _plot(report, list(cases), args.plot)
     return report
@@ -134,18 +139,17 @@ def _short(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
 
 
-def _convert_rss(report: BenchReport, scale: float) -> None:
-    """Streaming-convert peak RSS vs the largest tensor, when the converter exists (hook for its author)."""
-    if importlib.util.find_spec("dsv4flash_bridge.convert") is None:
-        report.targets.append(f"SKIP  streaming-convert peak RSS <= {RSS_TARGET:g}× largest tensor "
-                              "(dsv4flash_bridge.convert not present yet)")
-        return
-    from dsv4flash_bridge.convert import bench_convert  # (RSS growth, process peak RSS, largest tensor), bytes
+def _convert_rss(report: BenchReport, args: argparse.Namespace) -> None:
+    """Streaming-convert peak RSS vs the largest tensor, importing a synthetic release-format checkpoint."""
+    from dsv4flash_bridge.convert import bench_convert  # (RSS growth, process peak, largest, stored, tensors)
 
-    growth, peak, largest = bench_convert(scale)
-    report.add("convert largest tensor", largest / 2**20, "MiB", note="decoded BF16 bytes (a synthetic Engram table)")
+    growth, peak, largest, stored, tensors = bench_convert(args.convert_config, args.scale,
+                                                           naming=args.convert_naming)
+    report.add("convert largest tensor", largest / 2**20, "MiB",
+               note=f"decoded BF16 bytes; {args.convert_config} checkpoint, {tensors} tensors, "
+                    f"{stored / 2**20:.0f} MiB stored")
     report.add("convert peak RSS growth", growth / 2**20, "MiB", baseline="convert largest tensor",
-               note="peak RSS during import minus RSS before it (32 MiB chunks)")
+               note=f"peak RSS during import ({args.convert_naming} naming, 32 MiB chunks) minus RSS before it")
     report.add("convert process peak RSS", peak / 2**20, "MiB", baseline="convert largest tensor",
                note="includes the Python + torch baseline")
     report.target(f"streaming-convert peak RSS growth <= {RSS_TARGET:g}× largest tensor", growth <= RSS_TARGET * largest)

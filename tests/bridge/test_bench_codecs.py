@@ -13,7 +13,8 @@ def test_codecs_benchmark_reports_every_layout(tmp_path):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--repeats", "1", "--scale", "0.001", "--naive-elements", "64",
-                              "--plot", str(tmp_path / "codecs.png")])
+                              "--plot", str(tmp_path / "codecs.png"), "--convert-config", "tiny",
+                              "--convert-naming", "megatron"])
     report = bench.run(args)
     names = {f.name for f in report.figures}
     for layout in bench.LAYOUTS:
@@ -32,6 +33,6 @@ def test_codecs_benchmark_reports_every_layout(tmp_path):
 
 def test_codecs_benchmark_cli_writes_json(tmp_path, capsys):
     assert main(["codecs", "--repeats", "1", "--scale", "0.001", "--naive-elements", "64",
-                 "--json", str(tmp_path / "c.json")]) == 0
+                 "--json", str(tmp_path / "c.json"), "--convert-config", "tiny"]) == 0
     assert "memcpy" in json.loads((tmp_path / "c.json").read_text())
     assert "stored-format codecs" in capsys.readouterr().out
