@@ -23,8 +23,11 @@ class ServiceClient:
     """Embedded service: one resident base (`base_model` config) and an `AdapterStore` at `root`."""
 
     def __init__(self, base_model: str = "tiny", *, root: str | Path | None = None, base_dir: str | Path | None = None,
-                 seed: int = 0, resident: ResidentBase | None = None, **_ignored) -> None:
+                 seed: int = 0, resident: ResidentBase | None = None, api_key: str | None = None,
+                 base_url: str | None = None, user_metadata: dict | None = None) -> None:
         from dsv4flash.lifecycle import AdapterStore
+
+        del api_key, base_url, user_metadata  # Tinker/MinT remote settings: meaningless for the embedded service
 
         self.base = resident or ResidentBase(base_model, base_dir=base_dir, seed=seed)
         self._tmp = tempfile.TemporaryDirectory(prefix="dsv4flash-service-") if root is None else None

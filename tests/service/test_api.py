@@ -149,3 +149,22 @@ def test_early_stopped_backward_matches_full_gradient(service):
             full = model(torch.tensor([data[0].model_input.to_ints()]))
         lp_full = torch.log_softmax(full, -1)[0].gather(-1, data[0].loss_fn_inputs["target_tokens"].to_torch()[:, None])
     assert torch.equal(lp_es.detach(), lp_full.squeeze(-1))
+
+
+def test_sampling_params_and_stop_reasons(service):
+    from dsv4flash.service.sampling import process_logits
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    top1 = process_logits(logits, types.SamplingParams(top_k=1))
+    assert torch.isfinite(top1).sum() == 1 and top1[0, 3] == 0.0
+    topp = process_logits(logits, types.SamplingParams(top_p=0.7))  # softmax ≈ .03 .09 .24 .64
+    assert torch.isfinite(topp).tolist() == [[False, False, True, True]]
+    sc = service.create_sampling_client()
+    prompt = types.ModelInput.from_ints([0, 5, 6])
+    greedy = sc.sample(prompt, 2, types.SamplingParams(max_tokens=3, temperature=0.0)).result()
+    assert greedy.sequences[0].tokens == greedy.sequences[1].tokens and greedy.sequences[0].stop_reason == "length"
+    first = greedy.sequences[0].tokens[0]
+    stopped = sc.sample(prompt, 1, types.SamplingParams(max_tokens=3, temperature=0.0, stop=[first])).result()
+    assert stopped.sequences[0].tokens == [first] and stopped.sequences[0].stop_reason == "stop"
+    again = sc.sample(prompt, 2, types.SamplingParams(max_tokens=3, seed=7)).result()
+    assert again == sc.sample(prompt, 2, types.SamplingParams(max_tokens=3, seed=7)).result()
