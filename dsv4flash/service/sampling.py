@@ -84,7 +84,6 @@ class SamplingClient:
         stop = self.service.stop_ids(params.stop)
         max_tokens = params.max_tokens if params.max_tokens is not None else 16
         gen = torch.Generator().manual_seed(seed)
-        seqs = torch.tensor([ids] * n)  # [n,L]
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
         reasons = ["length"] * n
@@ -109,7 +108,6 @@ class SamplingClient:
                     else:
                         still.append(r)
                 live = still
-        del seqs
         seqs_out = [SampledSequence(reasons[r], tokens[r], logps[r]) for r in range(n)]
         return SampleResponse(seqs_out, self._prompt_logprobs(ids) if prompt_lp else None)
 
