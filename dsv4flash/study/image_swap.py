@@ -35,11 +35,22 @@ def swap_images(val: Sequence[tuple[str, object]]) -> list[tuple[str, object]]:
     return out
 
 
+def adapter_label(adapter: str | Path) -> str:
+    """`<placement>/seed<k>` for an adapter written by the placement study, else the path as given."""
+    spec = Path(adapter).parent.parent / "spec.json"
+    if spec.is_file():
+        import json
+
+        data = json.loads(spec.read_text())
+        return f"{data['variant']}/seed{data['seed']}"
+    return str(adapter)
+
+
 def image_swap(session: Session, adapters: Sequence[str | Path], log=print) -> list[dict]:
     """Rows (model, val loss, swapped val loss, rise) for the base and each adapter."""
     swapped = swap_images(session.mixture.val)
     rows = []
-    for label, adapter in [("base", None), *((str(a), a) for a in adapters)]:
+    for label, adapter in [("base", None), *((adapter_label(a), a) for a in adapters)]:
         model = session.model(adapter)
         true_loss = session.val_loss(model)
         swap_loss = session.val_loss(model, swapped)

@@ -67,3 +67,16 @@ def test_tiny_study_end_to_end(tmp_path):
         assert (tmp_path / name).is_file(), name
     again = run_placement(args, log=lambda *_: None)
     assert again["ran"] == 0 and again["skipped"] == 1
+    # The run's adapter feeds the other two commands (seed read from the run's summary).
+    from dsv4flash.study.diagnose import run_diagnose
+    from dsv4flash.study.image_swap import run_image_swap
+
+    adapter = cell / "train" / "adapter"
+    rows = run_image_swap([str(adapter)], args.overrides, out=str(tmp_path / "swap"), log=lambda *_: None)
+    assert [r["model"] for r in rows] == ["base", "decoder_half/seed0"]
+    assert rows[1]["val_loss"] == pytest.approx(result["final_val_loss"], abs=1e-6)
+    assert all(r["rise"] == r["swapped_val_loss"] - r["val_loss"] for r in rows)
+    diag = run_diagnose(str(adapter), args.overrides, out=str(tmp_path / "diag"), steps=1, log=lambda *_: None)
+    zero = {r["zeroed"]: r["val_loss"] for r in diag["zeroing"]}
+    assert zero["all"] == diag["base_loss"] == result["initial_val_loss"]
+    assert (tmp_path / "diag" / "diagnose.png").is_file() and (tmp_path / "swap" / "image_swap.csv").is_file()
