@@ -38,6 +38,8 @@ def run_placement(args: PlacementArgs, log=print) -> dict:
     """Run the missing cells of the grid, then write the table and plots -> {'rows', 'ran', 'skipped', ...}."""
     if args.seeds < 1 or args.jobs < 1:
         raise ValueError(f"seeds and jobs must be ≥ 1, got seeds={args.seeds} jobs={args.jobs}")
+    if not args.presets:
+        raise ValueError("presets= is empty; name at least one placement, e.g. presets=[full_linear,decoder_half]")
     variants = [resolve_variant(p) for p in args.presets]
     root = Path(args.out).expanduser()
     cells = [(v, make_spec(v, s, args.steps, list(args.overrides), args.plateau))
