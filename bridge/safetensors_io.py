@@ -24,7 +24,7 @@ import torch
 
 __all__ = [
     "SafetensorsError", "TensorInfo", "TensorSpec", "SafetensorsReader", "SafetensorsWriter", "DTYPES",
-    "dtype_name", "library_order", "save_file", "load_file", "fsync_dir", "parse_header",
+    "dtype_name", "library_order", "save_file", "load_file", "fsync_dir", "parse_header", "encode_header",
 ]
 
 if sys.byteorder != "little":  # the format is little-endian and tensors are read by reinterpreting bytes
@@ -118,7 +118,7 @@ def _parse_header(path: Path, blob: bytes, data_start: int, file_size: int | Non
     try:
         header = json.loads(blob.decode("utf-8"), object_pairs_hook=no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SafetensorsError(f"{path}: header is not valid UTF-8 JSON ({exc})") from None
+        raise SafetensorsError(f"{path}: header is not valid JSON in UTF-8 ({exc})") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -151,6 +151,26 @@ def _parse_header(path: Path, blob: bytes, data_start: int, file_size: int | Non
     if file_size is not None and cursor < file_size:
         raise SafetensorsError(f"{path}: {file_size - cursor} bytes after the last tensor (header and data disagree)")
     return {i.name: i for i in entries}, metadata
+
+
+def encode_header(specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None,
+                  where: str | os.PathLike = "<header>") -> bytes:
+    """The header blob (JSON after the 8-byte length, space-padded to 8 bytes) laying `specs` out in the given
+    order: the `safetensors` library's exact format (pass `library_order(specs)` for its tensor order)."""
+    header: dict = {}
+    if metadata is not None:
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise SafetensorsError(f"{where}: metadata must map strings to strings")
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for spec in specs:
+        shape = _check_spec(str(where), spec.name, spec.dtype, list(spec.shape))
+        if spec.name in header:
+            raise SafetensorsError(f"{where}: tensor name {spec.name!r} is reserved or given twice")
+        header[spec.name] = {"dtype": spec.dtype, "shape": list(shape), "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    return blob + b" " * (-len(blob) % 8)
 
 
 def parse_header(blob: bytes, where: str | os.PathLike = "<header>") -> tuple[list[TensorInfo], dict]:
@@ -259,21 +279,8 @@ class SafetensorsWriter:
 
     def __init__(self, path: str | os.PathLike, specs: Sequence[TensorSpec], metadata: Mapping[str, str] | None = None):
         self.path = Path(path)
-        header: dict = {}
-        if metadata is not None:
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-                raise SafetensorsError(f"{self.path}: metadata must map strings to strings")
-            header["__metadata__"] = dict(metadata)
-        offset, infos = 0, []
-        for spec in specs:
-            shape = _check_spec(str(self.path), spec.name, spec.dtype, list(spec.shape))
-            if spec.name in header:
-                raise SafetensorsError(f"{self.path}: tensor name {spec.name!r} is reserved or given twice")
-            header[spec.name] = {"dtype": spec.dtype, "shape": list(shape), "data_offsets": [offset, offset + spec.nbytes]}
-            infos.append(TensorInfo(spec.name, spec.dtype, shape, offset, offset + spec.nbytes))
-            offset += spec.nbytes
-        blob = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        self._open(blob + b" " * (-len(blob) % 8), infos)
+        blob = encode_header(specs, metadata, self.path)
+        self._open(blob, parse_header(blob, self.path)[0])
 
     @classmethod
     def from_header(cls, path: str | os.PathLike, blob: bytes) -> "SafetensorsWriter":

@@ -1,9 +1,12 @@
 """Safetensors bytes, written deterministically and read with one buffer instead of one object per tensor.
 
-Writer: tensors are laid out by (element size descending, name) so every tensor starts aligned to its
-element size, and the header is padded to 8 bytes; the same tensors always give the same bytes, which is
-what lets a revision be addressed by the sha256 of its file. Files are standard safetensors (the
-`safetensors` package reads them).
+The format itself — dtype table, tensor order, header encoding and header validation — is the checkpoint
+bridge's (`dsv4flash_bridge.safetensors_io`), so the lifecycle and the converter cannot drift apart; this
+module keeps the lifecycle's I/O strategies on top of it.
+
+Writer: tensors are laid out in the `safetensors` library's order (dtype rank, then name), which keeps every
+tensor aligned to its element size, with the header padded to 8 bytes; the same tensors always give the
+same bytes (the library's own bytes), which is what lets a revision be addressed by the sha256 of its file.
 
 Reader: one `os.preadv` per chunk into a single preallocated (optionally pinned) uint8 buffer, split over
 a few threads, then zero-copy views per tensor. A packed MoE adapter (a few hundred tensors) therefore
@@ -13,7 +16,6 @@ whatever reads it.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +25,7 @@ from typing import BinaryIO, Callable, Mapping
 import torch
 
 from dsv4flash.lifecycle.errors import AdapterFormatError
+from dsv4flash_bridge import safetensors_io as _st
 
 __all__ = [
     "DTYPES",
@@ -36,23 +39,8 @@ __all__ = [
     "read_into",
 ]
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E8M0": torch.float8_e8m0fnu,
-}
-_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-_ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+DTYPES: dict[str, torch.dtype] = _st.DTYPES
+_ITEMSIZE: dict[str, int] = {k: v.itemsize for k, v in DTYPES.items()}
 _MAX_HEADER = 256 * 1024 * 1024  # a 92k-tensor per-expert header is ~13 MB; refuse absurd sizes
 
 
@@ -77,32 +65,22 @@ class SafetensorsHeader:
     data_size: int
 
 
-def _dtype_name(t: torch.Tensor, name: str) -> str:
+def _spec(name: str, t: torch.Tensor) -> _st.TensorSpec:
     try:
-        return _NAMES[t.dtype]
-    except KeyError:
+        return _st.TensorSpec(name, _st.dtype_name(t.dtype), tuple(t.shape))
+    except _st.SafetensorsError:
         raise AdapterFormatError(f"tensor {name!r}: dtype {t.dtype} has no safetensors name") from None
-
-
-def _order(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    return sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
 
 
 def encode_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[str]]:
     """The 8-byte length + padded JSON header for `tensors`, and the order their bytes must follow."""
-    order = _order(tensors)
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _dtype_name(t, name), "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw, order
+    specs = _st.library_order([_spec(n, t) for n, t in tensors.items()])
+    meta = {str(k): str(v) for k, v in metadata.items()} if metadata else None
+    try:
+        blob = _st.encode_header(specs, meta)
+    except _st.SafetensorsError as exc:
+        raise AdapterFormatError(str(exc)) from None
+    return struct.pack("<Q", len(blob)) + blob, [s.name for s in specs]
 
 
 def iter_payload(tensors: Mapping[str, torch.Tensor], order: list[str]):
@@ -148,33 +126,20 @@ def read_header(path: str | os.PathLike, fd: int | None = None) -> SafetensorsHe
         (n,) = struct.unpack("<Q", first)
         if n > min(_MAX_HEADER, size - 8):
             raise AdapterFormatError(f"{path}: header length {n} exceeds the file ({size} bytes)")
-        try:
-            raw = json.loads(os.pread(fd, n, 8))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise AdapterFormatError(f"{path}: safetensors header is not valid JSON ({exc})") from None
+        blob = os.pread(fd, n, 8)
     finally:
         if own:
             os.close(fd)
-    metadata = raw.pop("__metadata__", None) or {}
-    entries = []
-    for name, info in raw.items():
-        try:
-            dtype, shape, (start, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise AdapterFormatError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
-        if dtype not in DTYPES:
-            raise AdapterFormatError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-        numel = 1
-        for s in shape:
-            numel *= s
-        if end - start != numel * _ITEMSIZE[dtype] or start < 0:
-            raise AdapterFormatError(f"{path}: tensor {name!r} byte range {start}..{end} does not fit {dtype}{list(shape)}")
-        entries.append(TensorEntry(name, dtype, shape, int(start), int(end)))
-    entries.sort(key=lambda e: e.start)
+    try:
+        infos, metadata = _st.parse_header(blob, path)
+    except _st.SafetensorsError as exc:
+        raise AdapterFormatError(str(exc)) from None
+    entries = tuple(TensorEntry(i.name, i.dtype, i.shape, i.start, i.stop) for i in infos)
     data_size = size - 8 - n
     if entries and entries[-1].end > data_size:
-        raise AdapterFormatError(f"{path}: tensor {entries[-1].name!r} ends at {entries[-1].end} past the data ({data_size} bytes; truncated file?)")
-    return SafetensorsHeader(tuple(entries), dict(metadata), 8 + n, data_size)
+        raise AdapterFormatError(f"{path}: tensor {entries[-1].name!r} ends at {entries[-1].end} past the data "
+                                 f"({data_size} bytes; truncated file?)")
+    return SafetensorsHeader(entries, dict(metadata), 8 + n, data_size)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:

@@ -121,7 +121,7 @@ GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
     ({**GOOD, "b": {"dtype": "BF16", "shape": [4]}}, bytes(16), None, r"'b' entry must have exactly"),
     ({**GOOD, "__metadata__": {"x": 1}}, bytes(16), None, r"__metadata__ must map strings to strings"),
     (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {}}', bytes(4), None, r"duplicate key 'a'"),
-    (b'{"a": ', bytes(4), None, r"header is not valid UTF-8 JSON"),
+    (b'{"a": ', bytes(4), None, r"header is not valid JSON in UTF-8"),
     (b"[1, 2]", b"", None, r"header is not a JSON object"),
 ])
 def test_malformed_headers_are_rejected_naming_file_and_tensor(tmp_path, header, data, length, message):
@@ -222,3 +222,22 @@ def test_bad_specs_are_rejected(tmp_path):
     with pytest.raises(SafetensorsError, match="has no safetensors equivalent"):
         io.dtype_name(torch.complex64)
     assert not any(p.name.endswith(".safetensors") for p in tmp_path.iterdir())
+
+
+def test_the_lifecycle_writes_the_bridge_format(tmp_path):
+    """One format: the lifecycle's stream writer and the bridge's writer give the same bytes."""
+    from io import BytesIO
+
+    from dsv4flash.lifecycle.safetensors_io import read_header, write_safetensors
+
+    tensors = {"z.f32": torch.randn(3, 5), "a.i32": torch.arange(4, dtype=torch.int32),
+               "m.bf16": torch.randn(2, 2).to(torch.bfloat16), "s.e8m0": torch.ones(4).to(torch.float8_e8m0fnu),
+               "q.i8": torch.tensor([1, -1], dtype=torch.int8)}
+    stream = BytesIO()
+    write_safetensors(stream, tensors, {"format": "pt"})
+    io.save_file(tensors, tmp_path / "b.safetensors", {"format": "pt"})
+    assert stream.getvalue() == (tmp_path / "b.safetensors").read_bytes()
+    (tmp_path / "l.safetensors").write_bytes(stream.getvalue())
+    with SafetensorsReader(tmp_path / "l.safetensors") as reader:
+        assert [(e.name, e.start) for e in read_header(tmp_path / "l.safetensors").entries] == \
+               [(n, reader.info(n).start - reader.data_start) for n in reader.names()]
