@@ -28,21 +28,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("synthetic", help="write a synthetic checkpoint in the exact release layout")
     p.add_argument("dst")
-    p.add_argument("--config", default="tiny", help="flavour name (tiny, tiny_mtp, flash) or config.json path")
+    p.add_argument("--config", default="tiny",
+                   help="flavour name (tiny, tiny_mtp, flash), 'mid' (release structure, smaller sizes) or a "
+                        "config.json path")
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=1024, help="mid: hidden size (a multiple of 128)")
+    p.add_argument("--experts", type=int, default=8, help="mid: routed experts per layer")
+    p.add_argument("--vocab", type=int, default=16384, help="mid: vocabulary size")
+    p.add_argument("--engram-rows", type=int, default=1 << 18, help="mid: approximate rows of each Engram table")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run one action; a bad checkpoint prints its error and returns 1."""
+    from dsv4flash.config import ConfigError
     from dsv4flash_bridge.codecs import CodecError
     from dsv4flash_bridge.convert import ConvertError, export_release, import_release
     from dsv4flash_bridge.safetensors_io import SafetensorsError
-    from dsv4flash_bridge.synthetic import write_release_checkpoint
+    from dsv4flash_bridge.synthetic import mid_config, write_release_checkpoint
 
     try:
         if args.action == "synthetic":
-            print(write_release_checkpoint(args.dst, args.config, shards=args.shards, seed=args.seed))
+            config = (mid_config(hidden=args.hidden, experts=args.experts, vocab=args.vocab, engram_rows=args.engram_rows)
+                      if args.config == "mid" else args.config)
+            print(write_release_checkpoint(args.dst, config, shards=args.shards, seed=args.seed))
             return 0
         common = dict(chunk_bytes=args.chunk_mb << 20, verify=args.verify, progress=not args.no_progress,
                       overwrite=args.overwrite, resume=args.resume)
@@ -51,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             summary = import_release(args.src, args.dst, dtype=dtype, naming=args.naming, **common)
         else:
             summary = export_release(args.src, args.dst, **common)
-    except (ConvertError, CodecError, SafetensorsError) as exc:
+    except (ConvertError, CodecError, SafetensorsError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     rate = summary.bytes_read / max(summary.seconds, 1e-9) / 2**20

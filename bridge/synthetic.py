@@ -85,10 +85,10 @@ def mid_config(hidden: int = 1024, experts: int = 8, engram_rows: int = 1 << 18,
     candidate sources), two Engram tables, 32-block ViT, aligner, delimiters and 3 DSpark stages, with smaller
     widths, fewer experts, a smaller vocabulary and `engram_rows`-row Engram tables. For benchmarks and
     tests that need real-format bytes at a size between `tiny` and the release."""
-    from dsv4flash.config import DSV41FlashConfig, _derive_engram_layouts, load_config
+    from dsv4flash.config import ConfigError, DSV41FlashConfig, _derive_engram_layouts, load_config
 
     if hidden % 128 or experts < 2:
-        raise ValueError(f"mid_config: hidden must be a multiple of 128 and experts >= 2, got {hidden}, {experts}")
+        raise ConfigError(f"mid_config: hidden must be a multiple of 128 and experts >= 2, got {hidden}, {experts}")
     data = load_config("flash").to_hf()
     text, vision = data["text_config"], data["vision_config"]
     text.update(vocab_size=vocab, hidden_size=hidden, moe_intermediate_size=hidden // 2,

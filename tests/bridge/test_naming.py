@@ -173,3 +173,23 @@ def test_tiny_import_gives_the_logits_of_the_decoded_weights(tmp_path, naming):
         oracle["layers.3.attn.wo_b.weight"][0, 0] += 0.25  # the comparison sees a single changed weight
         assert not torch.equal(_model(oracle)(ids), want)
 
+
+
+def test_mid_config_keeps_the_release_structure():
+    """Every kind of release tensor (wildcard form) appears in the mid census, and nothing else."""
+    from dsv4flash.census import census
+    from dsv4flash_bridge.mapping import _key
+    from dsv4flash_bridge.synthetic import mid_config
+    from tests.bridge.test_mapping import release_names
+
+    cfg = mid_config(hidden=256, experts=2, vocab=4096, engram_rows=4096)
+    mid = census(cfg)
+    assert {_key(r.name)[0] for r in mid} == {_key(n)[0] for n in release_names()}
+    assert cfg.text.num_hidden_layers == 40 and cfg.text.num_nextn_predict_layers == 3
+    assert cfg.vision.num_hidden_layers == 32 and len(cfg.text.engram_layer_ids) == 2
+    assert 4096 <= cfg.text.engram_num_embeddings[0] < 8192
+
+
+def test_cli_writes_a_mid_checkpoint_and_rejects_a_bad_one(tmp_path, capsys):
+    assert cli_main(["convert", "synthetic", str(tmp_path / "bad"), "--config", "mid", "--hidden", "200"]) == 1
+    assert "multiple of 128" in capsys.readouterr().err and not (tmp_path / "bad").exists()
