@@ -162,3 +162,34 @@ def test_export_after_training_changes_only_the_touched_blocks(mbridge, mcore, r
     diff = (w != old).nonzero().tolist()
     assert all(r // 32 == 0 and c // 32 == 0 for r, c in diff)  # only the 32×32 block holding [5, 3] moved
     assert abs(float(w[5, 3] - old[5, 3]) - 0.5) < 0.5 * 2 ** -3
+
+
+@pytest.mark.parametrize("table_dtype", [torch.float8_e4m3fn, torch.float32])
+def test_host_pinned_engram_tables_load_and_export(mbridge, mcore, release, tmp_path, table_dtype):
+    """Host tables are not parameters, so Megatron-Bridge alone would skip them: the bridge streams them in
+    (FP8 tables byte for byte) and back out."""
+    from megatron.bridge import AutoBridge
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from dsv4flash.integrations.mcore.engram import PinnedEngram
+
+    auto = AutoBridge(mbridge.ReleasePretrained(release))
+    provider = mbridge.provider_for(release)
+    provider.engram = ModuleSpec(module=PinnedEngram, params={"table_dtype": table_dtype})
+    model = provider.provide()
+    table = model.decoder.layers[1].engram.table
+    with torch.no_grad():
+        table.weight.view(torch.uint8).zero_()
+    auto.load_hf_weights([model])
+    name = "layers.1.engram.embed.weight"
+    with CheckpointReader(release) as ckpt:
+        want = codecs.decode(QuantRole.ENGRAM_FP8, ckpt.read(name), ckpt.read(scale_name(name)))
+        if table_dtype == torch.float8_e4m3fn:
+            assert torch.equal(table.weight.view(torch.uint8), ckpt.read(name).view(torch.uint8))
+            assert torch.equal(table.scale.view(torch.uint8), ckpt.read(scale_name(name)).view(torch.uint8))
+        else:
+            assert torch.equal(table.weight, want)
+    exported = dict(auto.export_hf_weights([model], show_progress=False))
+    assert name in exported and scale_name(name) in exported  # the tables come from the model, not the source
+    mbridge.save_release(exported.items(), release, tmp_path / "out")
+    assert files(tmp_path / "out") == files(release)

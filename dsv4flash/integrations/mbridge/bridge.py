@@ -66,6 +66,16 @@ class DSV41Bridge(MegatronModelBridge):
             return self._load(hf_param, hf_state_dict)
         return {key: self._load(name, hf_state_dict) for key, name in hf_param.items()}
 
+    def load_weights_hf_to_megatron(self, hf_pretrained, megatron_model, allowed_mismatched_params=None):
+        """Megatron-Bridge's load, then the host-pinned Engram tables it cannot see (they are not parameters)."""
+        from megatron.core.utils import unwrap_model
+
+        models = super().load_weights_hf_to_megatron(hf_pretrained, megatron_model, allowed_mismatched_params)
+        for model in unwrap_model(models if isinstance(models, list) else [models]):
+            for prefix, table in _host_tables(model).items():
+                _fill_table(table, megatron_lookup(prefix + ".embed.weight").release[0], hf_pretrained.state)
+        return models
+
     def _load(self, name: str, hf_state_dict) -> torch.Tensor:
         role = quant_role(name)
         if role not in _QUANTIZED:
@@ -107,6 +117,16 @@ class DSV41Bridge(MegatronModelBridge):
                 yield from self._to_release(name, tensor, hf_state_dict)
         if deltas:
             raise RuntimeError(f"grouped adapters on {sorted(deltas)[:3]} had no base weight in the export")
+        for model in models:  # host-pinned Engram tables: not parameters, so not in Megatron-Bridge's stream
+            for prefix, table in _host_tables(model).items():
+                name = megatron_lookup(prefix + ".embed.weight").release[0]
+                if table.fp8:  # already the release's E4M3 rows + E8M0 scales: no copy, no re-encode
+                    yield HFWeightTuple(name, table.weight)
+                    yield HFWeightTuple(scale_name(name), table.scale.view(torch.float8_e8m0fnu))
+                elif weight_dtype is not None:
+                    yield HFWeightTuple(name, table.weight.to(weight_dtype))
+                else:
+                    yield from self._to_release(name, table.weight, hf_state_dict)
 
     def _to_release(self, name: str, tensor: torch.Tensor, hf_state_dict) -> Iterator[HFWeightTuple]:
         role = quant_role(name)
@@ -154,6 +174,41 @@ def release_config(hf_pretrained) -> DSV41FlashConfig:
     from pathlib import Path
 
     return load_config(Path(path) / "config.json")
+
+
+def _host_tables(model: torch.nn.Module) -> dict:
+    """Engram module name -> its host table, for Engram layers that keep the table outside parameters."""
+    out = {}
+    for name, module in model.named_modules():
+        table = getattr(module, "table", None)
+        if table is not None and hasattr(table, "skip_load") and name.endswith(".engram"):
+            out[name.removeprefix("module.")] = table
+    return out
+
+
+@torch.no_grad()
+def _fill_table(table, name: str, hf_state_dict, rows_per_chunk: int = 1 << 16) -> None:
+    """Stream a release Engram table into a host table, row chunk by row chunk: E4M3 rows and E8M0 scales
+    copied as stored into an FP8 table, decoded into a float one. A table another rank fills is skipped."""
+    if table.skip_load:
+        return
+    source = getattr(hf_state_dict, "source", None)
+    reader = getattr(source, "reader", None)
+    scale = scale_name(name)
+    total = reader.info(name).rows if reader is not None else hf_state_dict[name].shape[0]
+    if total != table.weight.shape[0]:
+        raise ValueError(f"{name}: {total} rows in the checkpoint, the host table has {table.weight.shape[0]}")
+    for r0 in range(0, total, rows_per_chunk):
+        r1 = min(total, r0 + rows_per_chunk)
+        if reader is not None:
+            q, s = reader.read_rows(name, r0, r1), reader.read_rows(scale, r0, r1)
+        else:
+            q, s = hf_state_dict[name][r0:r1], hf_state_dict[scale][r0:r1]
+        if table.fp8:
+            table.weight[r0:r1].view(torch.uint8).copy_(q.view(torch.uint8))
+            table.scale[r0:r1].view(torch.uint8).copy_(s.view(torch.uint8))
+        else:
+            table.weight[r0:r1].copy_(codecs.decode(QuantRole.ENGRAM_FP8, q, s, dtype=table.weight.dtype, name=name))
 
 
 def _stored_dtype(name: str, hf_state_dict) -> torch.dtype:
