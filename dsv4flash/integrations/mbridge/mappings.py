@@ -49,6 +49,10 @@ class FusedGatedMLPMapping(GatedMLPMapping):
     def __init__(self, megatron_param: str, hf_param: str) -> None:
         MegatronParamMapping.__init__(self, megatron_param, hf_param)
 
+    def resolve(self, captures):
+        """Wildcards filled in (one checkpoint name, not GatedMLPMapping's gate/up pair)."""
+        return MegatronParamMapping.resolve(self, captures)
+
     def hf_to_megatron(self, hf_weights: torch.Tensor, megatron_module: torch.nn.Module) -> torch.Tensor:
         """[gate ; up] -> this rank's [gate_i ; up_i]."""
         gate, up = hf_weights.chunk(2, dim=0)
