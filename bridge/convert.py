@@ -3,11 +3,14 @@
 Import decodes every quantized weight (DENSE_FP8, EXPERT_MXFP4, ENGRAM_FP8) to BF16 or FP32 and copies
 everything else bit for bit, source shard by source shard and tensor by tensor, each tensor in row chunks of
 about `chunk_bytes`, so memory stays bounded by the chunk, not the checkpoint or the largest tensor (the
-Engram tables included). Names stay the release names, which are the reference model's. It also keeps what
-a bit-exact export needs in `DST/release/`: the E8M0 scales (verbatim) and `layout.json` (the release's
-shard headers, index and config.json, verbatim).
+Engram tables included). Names are the release names, which are the reference model's (`naming="release"`),
+or the name table's Megatron-Core names (`naming="megatron"`: `linear_fc1` = [w1 ; w3], the ViT's qkv per
+head; `mapping.py`, `renamed.py`). It also keeps what a bit-exact export needs in `DST/release/`: the E8M0
+scales (verbatim) and `layout.json` (the release's shard headers, index and config.json verbatim, and the
+naming).
 
-Export reverses it: every release shard is rebuilt from its recorded header, quantized weights re-encoded
+Export reverses it (reading a Megatron-named import back through the same table): every release shard is
+rebuilt from its recorded header, quantized weights re-encoded
 with the recorded scales as `like_scale`, so an unmodified import exports to byte-identical shards, and a
 changed block gets a fresh canonical scale (docs/bridge.md). Both directions write into `DST.partial` and
 rename it to DST at the end; a failure removes it, unless `resume` is set, in which case a rerun keeps the
