@@ -1,8 +1,10 @@
 """Reference (release) parameter names ↔ the Megatron model's names, and loading by name.
 
 The reference model (`dsv4flash.model`) uses the release names (`layers.3.attn.wq_a.weight`); the Megatron
-model uses megatron-core's module names (`decoder.layers.3.self_attention.linear_q_down.weight`). One
-table, `name_map(cfg)`, lists every pair with how the tensor is laid out on a tensor-/expert-parallel rank:
+model uses megatron-core's module names (`decoder.layers.3.self_attention.linear_q_down.weight`).
+`name_map(cfg)` lists every pair with how the tensor is laid out on a tensor-/expert-parallel rank; the pairs
+come from the checkpoint bridge's name table (`dsv4flash_bridge.mapping`), the single truth shared with the
+converter's Megatron naming and the Megatron-Bridge registration:
 
 - `copy`: replicated (norms, mHC, router, Engram);
 - `rows` / `cols`: split along dim 0 / dim 1 over tensor-parallel ranks (column- / row-parallel linears);
@@ -16,7 +18,7 @@ every Megatron parameter and persistent buffer was written exactly once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import torch
 
@@ -39,60 +41,15 @@ class NamePair:
     expert: int | None = None  # global expert id (routed experts only)
 
 
-def _layer_pairs(cfg: DSV41FlashConfig, i: int) -> Iterator[NamePair]:
-    plan = cfg.backbone_plan[i]
-    ref, meg = f"layers.{i}.", f"decoder.layers.{i}."
-    att = meg + "self_attention."
-    yield NamePair(meg + "input_layernorm.weight", (ref + "attn_norm.weight",), "copy")
-    yield NamePair(meg + "pre_mlp_layernorm.weight", (ref + "ffn_norm.weight",), "copy")
-    for mine, theirs, layout in (
-        ("linear_q_down", "wq_a", "rows"), ("linear_q_up", "wq_b", "rows"), ("linear_kv", "wkv", "rows"),
-        ("linear_o_group_proj", "wo_a", "rows"), ("linear_proj", "wo_b", "cols"),
-    ):
-        yield NamePair(f"{att}{mine}.weight", (f"{ref}attn.{theirs}.weight",), layout)
-    yield NamePair(att + "q_layernorm.weight", (ref + "attn.q_norm.weight",), "copy")
-    yield NamePair(att + "kv_layernorm.weight", (ref + "attn.kv_norm.weight",), "copy")
-    yield NamePair(att + "attn_sink", (ref + "attn.attn_sink",), "rows")
-    if plan.has_compressor:
-        yield NamePair(att + "compressor.linear_kv.weight", (ref + "attn.compressor.wkv.weight",), "rows")
-        if plan.has_wgate:
-            yield NamePair(att + "compressor.linear_gate.weight", (ref + "attn.compressor.wgate.weight",), "rows")
-        yield NamePair(att + "compressor.norm.weight", (ref + "attn.compressor.norm.weight",), "copy")
-    if plan.has_indexer:
-        yield NamePair(att + "indexer.linear_q_up.weight", (ref + "attn.indexer.wq_b.weight",), "rows")
-        yield NamePair(att + "indexer.linear_weights_proj.weight", (ref + "attn.indexer.weights_proj.weight",), "rows")
-        if plan.has_compressor:
-            yield NamePair(att + "indexer.linear_k.weight", (ref + "attn.indexer.wk.weight",), "rows")
-            yield NamePair(att + "indexer.k_layernorm.weight", (ref + "attn.indexer.k_norm.weight",), "copy")
-    for site in ("attn", "ffn"):
-        for part in ("fn", "base", "scale"):
-            yield NamePair(f"{meg}hyper_connection.{site}_{part}", (f"{ref}hc_{site}_{part}",), "copy")
-    mlp = meg + "mlp."
-    yield NamePair(mlp + "router.weight", (ref + "ffn.gate.weight",), "copy")
-    yield NamePair(mlp + "router.expert_bias", (ref + "ffn.gate.bias",), "copy")
-    if cfg.vision.enabled:
-        yield NamePair(mlp + "router.image_balance.expert_bias", (ref + "ffn.gate.bias_vl",), "copy")
-    for e in range(cfg.text.n_routed_experts):
-        src = f"{ref}ffn.experts.{e}."
-        yield NamePair(f"{mlp}experts.local_experts.{e}.linear_fc1.weight", (src + "w1.weight", src + "w3.weight"),
-                       "glu", expert=e)
-        yield NamePair(f"{mlp}experts.local_experts.{e}.linear_fc2.weight", (src + "w2.weight",), "cols", expert=e)
-    src = ref + "ffn.shared_experts."
-    yield NamePair(mlp + "shared_experts.linear_fc1.weight", (src + "w1.weight", src + "w3.weight"), "glu")
-    yield NamePair(mlp + "shared_experts.linear_fc2.weight", (src + "w2.weight",), "cols")
-    if plan.has_engram:
-        for name in ("embed.weight", "wkv.weight", "q_weight", "k_weight"):
-            yield NamePair(f"{meg}engram.{name}", (f"{ref}engram.{name}",), "copy")
-
-
 def name_map(cfg: DSV41FlashConfig) -> list[NamePair]:
-    """Every Megatron tensor of the text model with its reference source(s), in model order."""
-    pairs = [NamePair("embedding.word_embeddings.weight", ("embed.weight",), "rows")]
-    for i in range(cfg.text.num_hidden_layers):
-        pairs.extend(_layer_pairs(cfg, i))
-    pairs.append(NamePair("decoder.final_layernorm.weight", ("norm.weight",), "copy"))
-    pairs.append(NamePair("output_layer.weight", ("head.weight",), "rows"))
-    return pairs
+    """Every Megatron tensor of the text model with its reference source(s), in model order: the bridge's name
+    table (`dsv4flash_bridge.mapping`, one truth for the converter, Megatron-Bridge and this loader) applied to
+    the reference model's tensors."""
+    from dsv4flash.census import logical_shapes
+    from dsv4flash_bridge.mapping import resolve
+
+    return [NamePair(m.megatron, m.reference, m.layout, m.expert)
+            for m in resolve(logical_shapes(cfg)) if m.part == "text"]
 
 
 def shard(tensor: torch.Tensor, layout: str, rank: int, size: int) -> torch.Tensor:
