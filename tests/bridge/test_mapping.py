@@ -75,6 +75,7 @@ def test_reference_names_are_the_release_names(flavour):
 
 @pytest.mark.parametrize("flavour", ["tiny", "tiny_mtp", "flash"])
 def test_megatron_text_names_equal_the_megatron_loader(flavour):
+    """The Megatron loader's pairs are the table's text part (one truth; guards against a local override)."""
     from dsv4flash.integrations.mcore.csa2.weights import name_map
 
     names = release_names() if flavour == "flash" else names_of(flavour)
