@@ -23,7 +23,10 @@ import threading
 
 log = logging.getLogger("dsv4flash.verl")
 DISTRIBUTION = "verl"
-_lock = threading.Lock()
+# Re-entrant: a twin's own install may import its trigger module, which fires the post-import hook
+# (scheduled by the `verl.plugins` entry point) on this same thread.
+_lock = threading.RLock()
+_applying: set[str] = set()
 
 
 # The veRL module whose import makes each twin applicable (and that the twin patches or feeds).
@@ -42,14 +45,20 @@ def apply(patch_id: str):
     from dsv4flash import _patching
 
     with _lock:
-        registry = _patching.discover()
+        if patch_id in _applying:  # fired again from inside its own install: the outer call finishes it
+            return OUTCOMES.get(patch_id)
+        _applying.add(patch_id)
         try:
-            outcome = registry.get(patch_id).apply(registry=registry)
-        except ImportError as exc:  # the module it patches needs a package this process lacks
-            log.info("%s skipped here: %s", patch_id, exc)
-            outcome = exc
-        OUTCOMES[patch_id] = outcome
-        return outcome
+            registry = _patching.discover()
+            try:
+                outcome = registry.get(patch_id).apply(registry=registry)
+            except ImportError as exc:  # the module it patches needs a package this process lacks
+                log.info("%s skipped here: %s", patch_id, exc)
+                outcome = exc
+            OUTCOMES[patch_id] = outcome
+            return outcome
+        finally:
+            _applying.discard(patch_id)
 
 
 def register(now: bool = False) -> dict:
