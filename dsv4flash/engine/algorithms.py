@@ -33,7 +33,7 @@ class StepContext:
     optimizer: torch.optim.Optimizer
     params: list[nn.Parameter]
     clip_grad: float
-    batch_size: int
+    batch_size: int  # training sequences per step (GRPO: prompts × group_size; DPO: 2 × pairs)
     max_new_tokens: int
     seed: int
     ref_model: nn.Module | None = None  # frozen base copy (DPO reference)
@@ -95,7 +95,7 @@ class DPO:
     def step(self, step: int) -> dict[str, float]:
         """Chosen and rejected rows in one batch; the reference log-probs come from the frozen base."""
         ctx = self.ctx
-        drawn = ctx.mixture.train_batch(step, ctx.batch_size)
+        drawn = ctx.mixture.train_batch(step, max(ctx.batch_size // 2, 1))
         rng = ctx.mixture.step_rng(step)
         examples = [ex for _, ex in drawn]
         rejected = [ctx.mixture.tasks[name].wrong_answer(ex, rng) for name, ex in drawn]
@@ -116,12 +116,16 @@ class GRPO:
             raise ValueError(f"algorithm.group_size must be >= 2 for group-normalised advantages, got {cfg.group_size}")
         if cfg.rollout_dtype not in _DTYPES:
             raise ValueError(f"algorithm.rollout_dtype must be one of {sorted(_DTYPES)}, got {cfg.rollout_dtype!r}")
+        if ctx.batch_size % cfg.group_size or ctx.batch_size < cfg.group_size:
+            raise ValueError(f"engine.batch_size ({ctx.batch_size} sequences per step) must be a positive multiple of "
+                             f"algorithm.group_size ({cfg.group_size}): each prompt is sampled group_size times")
         self.ctx, self.cfg = ctx, cfg
+        self.prompts_per_step = ctx.batch_size // cfg.group_size
 
     def rollout(self, step: int) -> tuple[Batch, torch.Tensor, torch.Tensor, dict[str, float]]:
         """-> (batch of prompt+response rows, rollout log-probs [B,S], rewards [B], metrics)."""
         ctx, cfg = self.ctx, self.cfg
-        drawn = ctx.mixture.train_batch(step, ctx.batch_size)
+        drawn = ctx.mixture.train_batch(step, self.prompts_per_step)
         prompts = [ctx.encoder.prompt(ex) for _, ex in drawn]
         rows = [p for p in prompts for _ in range(cfg.group_size)]  # group-major: a prompt's samples adjacent
         gen = torch.Generator().manual_seed(step_seed(ctx.seed, step, "rollout"))

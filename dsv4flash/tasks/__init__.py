@@ -8,13 +8,14 @@ from dsv4flash.tasks.arithmetic import ArithmeticTask
 from dsv4flash.tasks.base import Example, Task
 from dsv4flash.tasks.countdown import CountdownTask
 from dsv4flash.tasks.dataset import Batch, Encoder, TaskMixture
-from dsv4flash.tasks.geometry import GeometryTask
+from dsv4flash.tasks.geometry import GeometryDescribeTask, GeometryTask
 from dsv4flash.tasks.tokenizer import TaskTokenizer, TokenizerError
 
 TASKS: dict[str, type[Task]] = {
     "arithmetic": ArithmeticTask,
     "countdown": CountdownTask,
     "geometry": GeometryTask,
+    "geometry_describe": GeometryDescribeTask,
 }
 
 
@@ -26,4 +27,4 @@ def build_task(name: str, **options: Any) -> Task:
 
 
 __all__ = ["TASKS", "Batch", "Encoder", "Example", "Task", "TaskMixture", "TaskTokenizer", "TokenizerError",
-           "build_task", "ArithmeticTask", "CountdownTask", "GeometryTask"]
+           "build_task", "ArithmeticTask", "CountdownTask", "GeometryDescribeTask", "GeometryTask"]

@@ -27,6 +27,7 @@ SYMBOLS: tuple[str, ...] = (
     "numbers", "target", "make", "using", "each", "once",
     "shape", "shapes", "triangle", "triangles", "square", "squares", "circle", "circles",
     "colour", "largest", "smallest", "red", "green", "blue", "yellow", "none",
+    "describe",
 )
 
 _TOKEN_RE = re.compile(r"<image>|\d|[a-z]+|[^\sa-z\d]")

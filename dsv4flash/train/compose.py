@@ -56,16 +56,25 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = ()) -> DictCon
     """Compose the primary config plus `+recipe=<recipe>` and overrides, exactly as the command line would."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
     register_schemas()
     args = ([f"+recipe={recipe}"] if recipe else []) + list(overrides)
     path = config_path()
-    if path.startswith("pkg://"):
-        ctx = initialize_config_module(config_module=path[len("pkg://"):], version_base=None)
-    else:
-        ctx = initialize_config_dir(config_dir=path, version_base=None)
-    with ctx:
-        return hydra_compose(config_name=PRIMARY, overrides=args)
+    # Inside a running Hydra app (e.g. building the base before a fine-tuning run) the global Hydra is
+    # initialised: set it aside for this composition and put it back afterwards.
+    outer = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        if path.startswith("pkg://"):
+            ctx = initialize_config_module(config_module=path[len("pkg://"):], version_base=None)
+        else:
+            ctx = initialize_config_dir(config_dir=path, version_base=None)
+        with ctx:
+            return hydra_compose(config_name=PRIMARY, overrides=args)
+    finally:
+        restore_gh_from_backup(outer)
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:

@@ -157,8 +157,9 @@ class LocalEngine:
 
     name: str = "local"
     steps: int = 100
-    # prompts per step (GRPO: each sampled group_size times)
-    batch_size: int = 16
+    # training sequences per step (GRPO: batch_size / group_size prompts, each sampled group_size times;
+    # DPO: batch_size / 2 pairs)
+    batch_size: int = 32
     # learning rate on the local engine (null: optim.lr); tiny models need more than the study's 5e-5
     lr: Optional[float] = None
     eval_every: int = 20
@@ -205,7 +206,7 @@ class VerlEngine:
     rollout_expert_parallel_size: int = 8
     gpu_memory_utilization: float = 0.6
     # the plugin module veRL imports in every worker (HFModelConfig.external_lib)
-    external_lib: str = "dsv4flash.integrations.verl"
+    external_lib: str = "dsv4flash.integrations.verl.plugin"
     # where the exported parquet files and reward function go (default: output_dir/verl_data)
     data_dir: Optional[str] = None
     project_name: str = "dsv4flash"

@@ -13,6 +13,8 @@ patterns (`*.layers.20.self_attention.linear_q_down`, `*.layers.20.mlp.experts.*
 
 from __future__ import annotations
 
+import functools
+import json
 from collections import defaultdict
 from typing import Any
 
@@ -44,14 +46,29 @@ def hydra_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} as a Hydra override value")
 
 
+@functools.lru_cache(maxsize=2)
+def _meta_model(config_json: str):
+    """The reference model on the meta device (no memory for weights; ~10 s for the full-size module tree)."""
+    from dsv4flash.config import DSV41FlashConfig
+    from dsv4flash.model.transformer import Transformer
+
+    return Transformer(DSV41FlashConfig.from_hf(json.loads(config_json)), device="meta", seed=None)
+
+
+@functools.lru_cache(maxsize=32)
+def _selected_modules(config_json: str, lora_json: str) -> frozenset[str]:
+    """Release module names a placement adapts (language model only)."""
+    from dsv4flash.lora import LoraConfig, resolve_targets
+
+    targets = resolve_targets(_meta_model(config_json), LoraConfig.from_dict(json.loads(lora_json)))
+    return frozenset(c.name for c in targets if not c.name.startswith(("vision.", "aligner.")))
+
+
 def megatron_lora_targets(mcfg: Any, lora_cfg: Any) -> list[str]:
     """Megatron-Bridge `target_modules` patterns for a LoRA placement (resolved on the reference model)."""
     from dsv4flash.integrations.mcore.csa2.weights import name_map
-    from dsv4flash.lora import resolve_targets
-    from dsv4flash.model.transformer import Transformer
 
-    model = Transformer(mcfg, device="meta", seed=None)
-    selected = {c.name for c in resolve_targets(model, lora_cfg) if not c.name.startswith(("vision.", "aligner."))}
+    selected = _selected_modules(mcfg.to_json(), json.dumps(lora_cfg.to_dict(), sort_keys=True))
     by_module: dict[str, list[str]] = defaultdict(list)
     for pair in name_map(mcfg):
         for ref in pair.reference:

@@ -55,7 +55,7 @@ def _grpo(seed: int, mode: str = "icepop", lr: float = 0.5):
     opt = torch.optim.SGD(policy.parameters(), lr=lr)
     mix = TaskMixture({"lucky": LuckySeven()}, {"lucky": 1.0}, seed=seed, val_size=0)
     ctx = StepContext(model=policy, train_forward=policy, infer_forward=policy, encoder=Encoder(TOK, CFG),
-                      mixture=mix, optimizer=opt, params=list(policy.parameters()), clip_grad=0.0, batch_size=4,
+                      mixture=mix, optimizer=opt, params=list(policy.parameters()), clip_grad=0.0, batch_size=32,
                       max_new_tokens=1, seed=seed)
     algo = GRPO(ctx, GRPOAlgo(group_size=8, rollout_dtype="float32", mini_batches=1,
                               rollout_correction=RolloutCorrectionConf(mode=mode)))
@@ -83,6 +83,13 @@ def test_grpo_improves_over_seeds_and_modes(mode):
         algo.step(1)
         gains.append(expected_reward(policy) - before)
     assert all(g > 0 for g in gains), gains
+
+
+def test_grpo_batch_must_split_into_groups():
+    policy, algo = _grpo(seed=0)
+    algo.ctx.batch_size = 12
+    with pytest.raises(ValueError, match="multiple of algorithm.group_size"):
+        GRPO(algo.ctx, algo.cfg)
 
 
 def test_grpo_rollout_rows_score_only_generated_tokens():

@@ -45,11 +45,14 @@ def test_every_recipe_composes_typed(recipe, algorithm):
 
 def test_decoder_lora_defaults():
     cfg = to_train_config(compose("decoder_lora"))
-    assert cfg.algorithm.name == "grpo" and cfg.algorithm.rollout_correction.mode == "icepop"
-    assert (cfg.algorithm.rollout_correction.lower, cfg.algorithm.rollout_correction.upper) == (0.5, 5.0)
+    assert cfg.algorithm.name == "sft" and isinstance(cfg.engine, LocalEngine)  # the study's objective locally
     assert cfg.data.tasks == {"geometry": 1.0} and cfg.model.base == "pretrain_tiny"
     verl = to_train_config(compose("decoder_lora", ["engine=verl"]))
     assert isinstance(verl.engine, VerlEngine) and verl.lora.preset == "decoder_half"
+    assert isinstance(verl.algorithm, GRPOAlgo)  # the cluster path always runs GRPO
+    grpo = verl.algorithm.rollout_correction
+    assert (grpo.mode, grpo.lower, grpo.upper) == ("icepop", 0.5, 5.0)
+    assert to_train_config(compose("decoder_lora", ["engine=verl", "algorithm=dpo"])).algorithm.name == "dpo"
 
 
 def test_recipe_files_hold_only_deltas():
@@ -74,14 +77,16 @@ def test_misspelt_key_is_a_clear_error(override, key):
 
 @pytest.mark.parametrize("override, message", [
     ("+engine.stepz=3", "engine.stepz.*did you mean engine.steps"),
-    ("+algorithm.rollout_correction.lowr=0.1", "rollout_correction.lowr.*did you mean .*lower"),
+    ("+algorithm.group_sise=4", "algorithm.group_sise.*did you mean algorithm.group_size"),
     ("+lora.rnak=8", "lora.rnak.*did you mean lora.rank"),
     ("+typo_at_root=1", "typo_at_root"),
 ])
 def test_misspelt_key_added_with_plus_is_rejected_by_the_schema(override, message):
     # Hydra lets `+` add keys to structured nodes and to_object would drop them silently.
     with pytest.raises(UnknownKeyError, match=message):
-        to_train_config(compose("decoder_lora", [override]))
+        to_train_config(compose("decoder_lora", ["algorithm=grpo", override]))
+    with pytest.raises(UnknownKeyError, match="rollout_correction.lowr.*did you mean .*lower"):
+        to_train_config(compose("decoder_lora", ["algorithm=grpo", "+algorithm.rollout_correction.lowr=0.1"]))
 
 
 def test_wrong_type_is_a_clear_error():
@@ -108,4 +113,6 @@ def test_cli_cfg_job_prints_resolved_config():
     out = _cli("+recipe=decoder_lora", "--cfg", "job")
     assert out.returncode == 0, out.stderr
     assert "preset: decoder_half" in out.stdout and "recipe: decoder_lora" in out.stdout
-    assert "group_size: 8" in out.stdout and "mode: icepop" in out.stdout
+    assert "name: sft" in out.stdout and "steps: 100" in out.stdout
+    verl = _cli("+recipe=decoder_lora", "engine=verl", "--cfg", "job")
+    assert verl.returncode == 0 and "mode: icepop" in verl.stdout and "router_replay: R3" in verl.stdout

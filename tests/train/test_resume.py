@@ -26,7 +26,7 @@ SMALL = ["model.base=random", "engine.steps=4", "engine.batch_size=2", "engine.e
 def _cfg(algorithm: str, extra=()):
     over = SMALL + [f"algorithm={algorithm}", "lora.rank=4"] + list(extra)
     if algorithm == "grpo":
-        over += ["algorithm.group_size=2", "algorithm.mini_batches=2"]
+        over += ["algorithm.group_size=2", "algorithm.mini_batches=2", "engine.batch_size=4"]
     return to_train_config(compose("decoder_lora", over))
 
 

@@ -67,14 +67,14 @@ def test_geometry_answer_is_read_off_the_image():
         ex = task.sample(rng)
         shapes = ex.meta["shapes"]
         img = ex.images[0]
-        assert img.shape == (126, 126, 3) and img.dtype == np.uint8
+        assert img.shape == (84, 84, 3) and img.dtype == np.uint8
         for s in shapes:  # every shape's centre pixel has its colour
             cx, cy = s["x"] + s["size"] // 2, s["y"] + int(s["size"] * 0.6)
             assert tuple(img[cy, cx]) == COLOURS[s["colour"]]
         if ex.meta["question"] == "count_all":
             assert ex.answer == str(len(shapes))
         # redrawing the same layout gives the same picture: the answer is a function of the image
-        assert np.array_equal(draw_shapes(shapes, 126), img)
+        assert np.array_equal(draw_shapes(shapes, 84), img)
     with pytest.raises(ValueError, match="question kinds"):
         GeometryTask(questions=("count_all", "area"))
 
