@@ -114,7 +114,8 @@ def _plot(med: dict[str, float], path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 3.5))
     bars = ax.barh(names, [med[n] * 1e3 for n in names], color=["#888", "#2a7", "#7a2", "#aaa"])
     ax.bar_label(bars, fmt="%.0f ms")
-    ax.axvline(med["full_linear"] * 1e3 * TARGET_RATIO, ls="--", color="r", label=f"target {TARGET_RATIO}× full_linear")
+    ax.axvline(med["full_linear"] * 1e3 * TARGET_RATIO, ls="--", color="r",
+               label=f"target {TARGET_RATIO}× full_linear")
     ax.set_xlabel("step time (ms)")
     ax.set_title(title, fontsize=9)
     ax.legend(loc="lower right")

@@ -234,7 +234,7 @@ def run_local(cfg: Any, output_dir: str | Path, *, base_dir: str | Path | None =
         adapter_dir = save_peft_adapter(model, handle, out / "adapter",
                                         base_model_name_or_path=str(base_dir) if base_dir else None, overwrite=True)
         weights = adapter_dir / "adapter_model.safetensors"
-        revision = {"revision": model_io._sha256(weights)[:16], "adapter": str(adapter_dir),
+        revision = {"revision": model_io.tensor_digest(weights)[:16], "adapter": str(adapter_dir),
                     "parent_base_sha256": base_sha or None, "base": str(base_dir) if base_dir else None,
                     "step": end, "recipe": cfg.recipe, "algorithm": algo_cfg.name,
                     "config_fingerprint": fp, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -264,7 +264,8 @@ def run_local(cfg: Any, output_dir: str | Path, *, base_dir: str | Path | None =
         "step_time_median_s": sorted(step_times)[len(step_times) // 2] if step_times else None,
         "wall_time_s": time.perf_counter() - t_start,
         "config_fingerprint": fp, "revision": revision,
-        "outputs": {"adapter": str(adapter_dir) if adapter_dir else None, "model": str(model_dir) if model_dir else None,
+        "outputs": {"adapter": str(adapter_dir) if adapter_dir else None,
+                    "model": str(model_dir) if model_dir else None,
                     "metrics": str(out / "metrics.jsonl"), "plot": str(out / "loss_curve.png")},
     }
     if "reward" in history[-1]:

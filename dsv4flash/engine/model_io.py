@@ -37,6 +37,19 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def tensor_digest(path: str | os.PathLike) -> str:
+    """sha256 over a safetensors file's tensors (names, dtypes, shapes, bytes in name order), not its header."""
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    with safe_open(str(path), "pt") as f:
+        for name in sorted(f.keys()):
+            t = f.get_tensor(name).contiguous()
+            h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def save_base(model: nn.Module, cfg: DSV41FlashConfig, tokenizer, directory: str | os.PathLike,
               provenance: dict[str, Any]) -> Path:
     """Write a complete base directory atomically (temp dir in the same parent, then rename)."""
@@ -48,10 +61,12 @@ def save_base(model: nn.Module, cfg: DSV41FlashConfig, tokenizer, directory: str
     try:
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
                  if k in dict(model.named_parameters())}
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "naming": "dsv4flash-reference"})
+        # One metadata key only: safetensors writes the metadata map in hash order, so two keys could
+        # make identical weights hash differently.
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         cfg.save(tmp / "config.json")
         tokenizer.save(tmp)
-        manifest = {"weights_sha256": _sha256(tmp / WEIGHTS), "tensors": len(state),
+        manifest = {"weights_sha256": _sha256(tmp / WEIGHTS), "naming": "dsv4flash-reference", "tensors": len(state),
                     "parameters": int(sum(v.numel() for v in state.values())), **provenance}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         if target.exists():

@@ -50,7 +50,8 @@ def plot_curves(history: list[dict[str, Any]], path: str | os.PathLike, title: s
     ax.grid(alpha=0.3)
     if has_reward:
         ax2 = axes[0][1]
-        for key, label, style in (("reward", "train reward (sampled)", "-"), ("val_reward", "val reward (greedy)", "o-")):
+        curves = (("reward", "train reward (sampled)", "-"), ("val_reward", "val reward (greedy)", "o-"))
+        for key, label, style in curves:
             if rewards[key]:
                 ax2.plot(*zip(*rewards[key]), style, label=label)
         ax2.set_xlabel("step")

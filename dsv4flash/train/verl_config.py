@@ -79,8 +79,9 @@ def megatron_lora_targets(mcfg: Any, lora_cfg: Any) -> list[str]:
     for meg, refs in by_module.items():
         hit = [r for r in refs if r in selected]
         if hit and len(hit) != len(refs):
-            raise VerlConfigError(f"LoRA placement selects {hit} but not {sorted(set(refs) - set(hit))}; Megatron fuses "
-                                  f"them into one module ({meg}), so they must be adapted together on engine=verl")
+            raise VerlConfigError(f"LoRA placement selects {hit} but not {sorted(set(refs) - set(hit))}; Megatron "
+                                  f"fuses them into one module ({meg}), so they must be adapted together on "
+                                  "engine=verl")
         if hit:
             chosen.append(meg)
             covered.update(hit)

@@ -37,7 +37,8 @@ def write_config(config: DictConfig, output_dir: Path) -> tuple[Path, Path]:
     OmegaConf.save(config, tmp)
     os.replace(tmp, path)
     script = output_dir / "launch_verl.sh"
-    body = ("#!/usr/bin/env bash\n# Launch veRL GRPO with the validated config (run on the Ray head node).\nset -euo pipefail\n"
+    body = ("#!/usr/bin/env bash\n# Launch veRL GRPO with the validated config (run on the Ray head node).\n"
+            "set -euo pipefail\n"
             f"exec {shlex.quote(sys.executable)} -m verl.trainer.main_ppo --config-path {shlex.quote(str(output_dir))} "
             f"--config-name {CONFIG_NAME} \"$@\"\n")
     tmp = script.with_name(f".{script.name}.tmp")
@@ -81,7 +82,8 @@ def run_verl(cfg: Any, output_dir: str | Path, *, log=print) -> dict[str, Any]:
     log(f"veRL config validated by verl's own validator and written to {cfg_path}")
     lora = config.actor_rollout_ref.model.lora
     log(f"  GRPO n={config.actor_rollout_ref.rollout.n}, LoRA rank {lora.rank} alpha {lora.alpha} merge={lora.merge}, "
-        f"{len(lora.target_modules)} target patterns, router replay {config.actor_rollout_ref.actor.megatron.router_replay.mode}, "
+        f"{len(lora.target_modules)} target patterns, "
+        f"router replay {config.actor_rollout_ref.actor.megatron.router_replay.mode}, "
         f"rollout correction {config.algorithm.rollout_correction.rollout_is}/"
         f"{config.algorithm.rollout_correction.rollout_is_threshold}")
     result = {"config": str(cfg_path), "launch_script": str(script), "data": {k: str(v) for k, v in files.items()},

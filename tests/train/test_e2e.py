@@ -54,3 +54,20 @@ def test_decoder_lora_default_command_end_to_end(tmp_path):
     grpo = json.loads((tmp_path / "run2" / "summary.json").read_text())
     assert grpo["algorithm"] == "grpo" and grpo["model"]["base_sha256"] == summary["model"]["base_sha256"]
     assert grpo["train_reward_first"] is not None and (tmp_path / "run2" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_pretrain_recipe_installs_the_base_fine_tuning_finds(tmp_path):
+    from dsv4flash.train.base_cache import cached_base_dir, ensure_base
+    from dsv4flash.train.compose import compose, to_train_config
+
+    cache = tmp_path / "cache"
+    small = ["engine.steps=3", "engine.batch_size=4", "data.val_size=4", "engine.eval_every=3"]
+    built = _train(tmp_path, "+recipe=pretrain_tiny", *small, f"model.cache_dir={cache}",
+                   f"output_dir={tmp_path / 'pre'}")
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert (tmp_path / "pre" / "model" / "model.safetensors").is_file()
+    quoted = ",".join(f"'{o}'" for o in small)
+    cfg = to_train_config(compose("decoder_lora", [f"model.cache_dir={cache}", f"model.base_overrides=[{quoted}]"]))
+    slot = cached_base_dir(cfg)
+    assert "base installed in the cache" in built.stdout and str(slot) in built.stdout
+    assert ensure_base(cfg, log=lambda *_: None) == slot  # found, not rebuilt
