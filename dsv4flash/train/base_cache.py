@@ -3,8 +3,9 @@
 `ensure_base(cfg)` returns the base directory a fine-tuning run loads:
 
 - `model.base=pretrain_tiny`: `<cache>/bases/pretrain_tiny-<key>/model`, where `<key>` hashes the resolved
-  pretrain_tiny config (plus `model.base_overrides`); built on first use (under a file lock, so concurrent
-  runs build it once) — deterministic for a given config and seed;
+  pretrain_tiny config (plus `model.base_overrides`) and the sources of the tasks, the engine and the
+  reference model; built on first use (under a file lock, so concurrent runs build it once) —
+  deterministic for a given config, seed and code;
 - `model.base=random`: None (seeded initialisation);
 - anything else: a directory written by a previous run (`model/` of a full-model run, or a base dir).
 """
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import shutil
 from contextlib import contextmanager
@@ -23,7 +25,9 @@ from dsv4flash.engine.model_io import MANIFEST, read_manifest
 from dsv4flash.train.compose import compose, to_train_config
 
 PRETRAIN_RECIPE = "pretrain_tiny"
-BASE_FORMAT = "dsv4flash-base-v1"
+BASE_FORMAT = "dsv4flash-base-v2"
+# Sources whose behaviour shapes the base: an edit to any of them gives a new cache key (a rebuild).
+_KEYED_SOURCES = ("tasks", "engine", "model")
 
 
 def cache_root(cfg: Any) -> Path:
@@ -38,9 +42,24 @@ def pretrain_config(cfg: Any) -> Any:
     return to_train_config(compose(PRETRAIN_RECIPE, overrides))
 
 
+@functools.lru_cache(maxsize=1)
+def _source_digest() -> str:
+    """sha256 over the task generators, the engine and the reference model sources."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for folder in _KEYED_SOURCES:
+        for path in sorted((root / folder).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 def base_key(pcfg: Any) -> str:
-    """Cache key of a pretrain config: its fingerprint (volatile fields dropped) and the base format."""
-    return fingerprint(pcfg, BASE_FORMAT)[:16]
+    """Cache key of a pretrain config: its fingerprint (volatile fields dropped), the base format and the
+    digest of the code that builds it."""
+    return fingerprint(pcfg, BASE_FORMAT + _source_digest())[:16]
 
 
 @contextmanager
