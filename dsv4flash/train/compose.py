@@ -8,8 +8,9 @@ straight from `<repo>/recipes`.
 from __future__ import annotations
 
 import importlib.util
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -55,15 +56,22 @@ def available_recipes() -> list[str]:
 def compose(recipe: str | None = None, overrides: Sequence[str] = ()) -> DictConfig:
     """Compose the primary config plus `+recipe=<recipe>` and overrides, exactly as the command line would."""
     from hydra import compose as hydra_compose
+
+    register_schemas()
+    args = ([f"+recipe={recipe}"] if recipe else []) + list(overrides)
+    with isolated_hydra(config_path()):
+        return hydra_compose(config_name=PRIMARY, overrides=args)
+
+
+@contextmanager
+def isolated_hydra(path: str) -> Iterator[None]:
+    """Initialise Hydra on `path` (`pkg://module` or a folder) for a composition, even inside a running
+    Hydra app (building the base before a fine-tuning run, the veRL config of an engine=verl run): the app's
+    global Hydra is set aside and put back afterwards."""
     from hydra import initialize_config_dir, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
     from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
-    register_schemas()
-    args = ([f"+recipe={recipe}"] if recipe else []) + list(overrides)
-    path = config_path()
-    # Inside a running Hydra app (e.g. building the base before a fine-tuning run) the global Hydra is
-    # initialised: set it aside for this composition and put it back afterwards.
     outer = get_gh_backup()
     GlobalHydra.instance().clear()
     try:
@@ -72,7 +80,7 @@ def compose(recipe: str | None = None, overrides: Sequence[str] = ()) -> DictCon
         else:
             ctx = initialize_config_dir(config_dir=path, version_base=None)
         with ctx:
-            return hydra_compose(config_name=PRIMARY, overrides=args)
+            yield
     finally:
         restore_gh_from_backup(outer)
 

@@ -249,9 +249,11 @@ def _lora_settings(cfg: Any, mcfg: Any) -> dict[str, Any]:
 
 def compose_verl(overrides: list[str]) -> DictConfig:
     """verl's own ppo_trainer composed with `overrides` (Hydra checks every key against verl's tree)."""
-    from hydra import compose, initialize_config_module
+    from hydra import compose
 
-    with initialize_config_module(config_module=VERL_CONFIG_MODULE, version_base=None):
+    from dsv4flash.train.compose import isolated_hydra
+
+    with isolated_hydra(f"pkg://{VERL_CONFIG_MODULE}"):
         return compose(config_name=VERL_PRIMARY, overrides=overrides)
 
 

@@ -94,33 +94,49 @@ def test_hydra_value_quoting():
     assert hydra_value(None) == "null" and hydra_value(True) == "true" and hydra_value(5e-05) == "5e-05"
 
 
-def test_run_verl_on_cpu_stops_after_validation(tmp_path, capsys):
+def _run(*args, cwd):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
+
+
+def test_cli_engine_verl_on_cpu_stops_after_validation(tmp_path):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: engine.launch=auto would launch")
-    from dsv4flash.train.verl_engine import run_verl
+    out = tmp_path / "run"
+    run = _run("dsv4flash.train", "+recipe=decoder_lora", "engine=verl", "data.verl_train_size=16", "data.val_size=8",
+               f"output_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "not launching veRL (no CUDA GPU is visible" in run.stdout and "validated" in run.stdout
+    assert (out / "verl_ppo_trainer.yaml").is_file() and (out / "launch_verl.sh").is_file()
+    # the written config is a complete primary config for veRL's own entry point
+    cfg_job = _run("verl.trainer.main_ppo", "--config-path", str(out), "--config-name", "verl_ppo_trainer", "--cfg",
+                   "job", cwd=tmp_path)
+    assert cfg_job.returncode == 0, cfg_job.stderr[-3000:]
+    assert "adv_estimator: grpo" in cfg_job.stdout and "rollout_is_threshold: 0.5_5.0" in cfg_job.stdout
 
-    cfg = to_train_config(compose("decoder_lora", ["engine=verl", "data.verl_train_size=16", "data.val_size=8"]))
-    result = run_verl(cfg, tmp_path)
-    assert result["launched"] is False
-    out = capsys.readouterr().out
-    assert "not launching veRL (no CUDA GPU is visible" in out and "validated" in out
-    assert (tmp_path / "verl_ppo_trainer.yaml").is_file() and (tmp_path / "launch_verl.sh").is_file()
     import pyarrow.parquet as pq
 
-    train = pq.read_table(tmp_path / "verl_data" / "train.parquet").to_pylist()
-    assert len(train) == 16 and train[0]["data_source"] == "geometry" and train[0]["images"][0]["bytes"][:4] == \
-        b"\x89PNG"
     from dsv4flash.tasks.verl_reward import compute_score
 
+    train = pq.read_table(out / "verl_data" / "train.parquet").to_pylist()
+    assert len(train) == 16 and train[0]["data_source"] == "geometry"
+    assert train[0]["images"][0]["bytes"][:4] == b"\x89PNG" and "<image>" in train[0]["prompt"][0]["content"]
     row = train[0]
     truth = row["reward_model"]["ground_truth"]
     assert compute_score(row["data_source"], truth, truth, row["extra_info"]) == 1.0
     assert compute_score(row["data_source"], "purple", truth, row["extra_info"]) == 0.0
-    # launching for real needs the checkpoint path
-    cfg.engine.launch = "force"
-    from dsv4flash.train.verl_config import VerlConfigError as Err
 
-    with pytest.raises(Err, match="model.hf_path"):
-        run_verl(cfg, tmp_path / "forced")
+
+def test_launch_needs_the_checkpoint_path(tmp_path):
+    from dsv4flash.train.verl_engine import run_verl
+
+    cfg = to_train_config(compose("decoder_lora", ["engine=verl", "engine.launch=force", "data.verl_train_size=8",
+                                                   "data.val_size=4"]))
+    with pytest.raises(VerlConfigError, match="model.hf_path"):
+        run_verl(cfg, tmp_path, log=lambda *_: None)
