@@ -95,24 +95,25 @@ def test_wrong_type_is_a_clear_error():
     assert "steps" in str(err.value) + str(err.value.__cause__)
 
 
-def _cli(*args, timeout=120):
+def _cli(*args, cwd, timeout=120):
+    # run outside the repo: a job that reaches the app creates Hydra's run directory under the cwd
     return subprocess.run([sys.executable, "-m", "dsv4flash.train", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+                          timeout=timeout, cwd=cwd)
 
 
-def test_cli_misspelt_key_and_unknown_recipe():
-    bad = _cli("+recipe=decoder_lora", "engine.stepz=3")
+def test_cli_misspelt_key_and_unknown_recipe(tmp_path):
+    bad = _cli("+recipe=decoder_lora", "engine.stepz=3", cwd=tmp_path)
     assert bad.returncode != 0 and "engine.stepz" in bad.stderr
-    added = _cli("+recipe=decoder_lora", "+engine.stepz=3", "output_dir=/nonexistent/never-written")
+    added = _cli("+recipe=decoder_lora", "+engine.stepz=3", "output_dir=/nonexistent/never-written", cwd=tmp_path)
     assert added.returncode != 0 and "did you mean engine.steps" in added.stderr
-    unknown = _cli("+recipe=decoder_lora_typo")
+    unknown = _cli("+recipe=decoder_lora_typo", cwd=tmp_path)
     assert unknown.returncode != 0 and "decoder_lora_typo" in unknown.stderr and "decoder_lora" in unknown.stderr
 
 
-def test_cli_cfg_job_prints_resolved_config():
-    out = _cli("+recipe=decoder_lora", "--cfg", "job")
+def test_cli_cfg_job_prints_resolved_config(tmp_path):
+    out = _cli("+recipe=decoder_lora", "--cfg", "job", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "preset: decoder_half" in out.stdout and "recipe: decoder_lora" in out.stdout
     assert "name: sft" in out.stdout and "steps: 100" in out.stdout
-    verl = _cli("+recipe=decoder_lora", "engine=verl", "--cfg", "job")
+    verl = _cli("+recipe=decoder_lora", "engine=verl", "--cfg", "job", cwd=tmp_path)
     assert verl.returncode == 0 and "mode: icepop" in verl.stdout and "router_replay: R3" in verl.stdout
