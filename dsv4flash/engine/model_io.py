@@ -1,9 +1,13 @@
 """Base checkpoints of the local engine: `model.safetensors` in reference (= release) tensor names, fp32,
 plus `config.json`, `tokenizer.json` and `base.json` (fingerprint and provenance).
 
-NOTE: the checkpoint bridge (`dsv4flash_bridge`) has no release-format converter yet, so bases are stored
-unquantized in reference naming. Once the bridge can write/read the release layout (FP8 32×32, MXFP4
-experts), `save_base`/`load_base_weights` should go through it so the local path exercises the same code.
+NOTE on the release format: the checkpoint bridge (`dsv4flash_bridge`) converts release-layout checkpoints
+to BF16/FP32 (`import_release`) and back (`export_release`), but export needs the layout recorded by an
+import (`release/layout.json`), and there is no writer from a reference state dict to the release layout
+yet. Storing this fp32-trained base in the release layout would also quantize it (FP8 dense, MXFP4
+experts) without the quantization-aware training the release had, changing the model. So bases are stored
+unquantized in reference (= release) names; with such a writer, `save_base`/`load_base_weights` could go
+through `export_release`/`import_release` for bases trained with weight fake-quant.
 """
 
 from __future__ import annotations
