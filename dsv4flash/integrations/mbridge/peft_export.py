@@ -13,15 +13,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import uuid
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
+from dsv4flash.atomic_io import publish_directory
 from dsv4flash.lora.config import LoraConfig
-from dsv4flash_bridge.safetensors_io import fsync_dir, save_file
+from dsv4flash_bridge.safetensors_io import save_file
 
 __all__ = ["save_peft_adapter", "collect_adapters"]
 
@@ -125,24 +124,9 @@ def save_peft_adapter(megatron_model, directory: str | os.PathLike, *, base_mode
 def _write_dir(target: Path, tensors: dict, config: dict, weights_name: str, config_name: str,
                overwrite: bool) -> Path:
     """Build the directory next to `target`, then rename it into place (never half-written)."""
-    if target.exists() and not overwrite:
-        raise FileExistsError(f"{target}: exists (pass overwrite=True to replace it)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+
+    def write(tmp: Path) -> None:
         save_file(tensors, tmp / weights_name, {"format": "pt"})
         (tmp / config_name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        fsync_dir(tmp)
-        old = None
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(target, old)
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+
+    return publish_directory(target, write, overwrite=overwrite, what="peft export")
