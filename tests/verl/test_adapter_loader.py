@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.vllm import _vllm_helpers as vh
-from tests.vllm._twins import applied, stock
+from tests.vllm._twins import applied, stock, twin
 
 PATCH_ID = "DSV41-VERL-001"
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
@@ -22,6 +22,8 @@ def restore_load_adapter():
 
     saved = LRUCacheWorkerLoRAManager.__dict__.get("_load_adapter")
     yield
+    if twin(PATCH_ID).applied:
+        return  # the applied twin owns the attribute: its revert restores what it replaced, in order
     if saved is None:
         if "_load_adapter" in LRUCacheWorkerLoRAManager.__dict__:
             delattr(LRUCacheWorkerLoRAManager, "_load_adapter")
@@ -140,13 +142,14 @@ def test_hijack_ordering_keeps_the_fixed_loader(vllm_cpu, restore_load_adapter):
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
     from verl.utils.vllm import VLLMHijack
 
-    stock_loader = LRUCacheWorkerLoRAManager.__dict__.get("_load_adapter")  # None: inherited from vLLM's base
-    with applied(PATCH_ID) as twin:
-        VLLMHijack.hijack()
-        VLLMHijack.hijack()
-        current = LRUCacheWorkerLoRAManager.__dict__["_load_adapter"]
-        assert getattr(current, "__dsv4flash_patch__", None) == twin.meta.patch_id
-    assert LRUCacheWorkerLoRAManager.__dict__.get("_load_adapter") is stock_loader
+    with stock(PATCH_ID):  # start unpatched even when the plugin already applied the twin in this process
+        stock_loader = LRUCacheWorkerLoRAManager.__dict__.get("_load_adapter")  # None, or veRL's from an earlier hijack
+        with applied(PATCH_ID) as loader_twin:
+            VLLMHijack.hijack()
+            VLLMHijack.hijack()
+            current = LRUCacheWorkerLoRAManager.__dict__["_load_adapter"]
+            assert getattr(current, "__dsv4flash_patch__", None) == loader_twin.meta.patch_id
+        assert LRUCacheWorkerLoRAManager.__dict__.get("_load_adapter") is stock_loader
 
 
 def test_path_requests_use_vllms_own_loader(vllm_cpu, restore_load_adapter, tmp_path):
