@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4flash.lora.adapter_batch import active_batch
 from dsv4flash.lora.functional import (grouped_lora_delta, grouped_lora_forward, lora_delta, lora_forward)
 from dsv4flash.model.attention import GroupedOutputProjection
 from dsv4flash.model.moe import Gate
@@ -76,6 +77,11 @@ class LoraLinear(nn.Linear, LoraModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in the base output dtype."""
         out = F.linear(x, self.weight, self.bias)
+        batch = active_batch()
+        if batch is not None:  # one base op for every adapter's rows, then each adapter's delta on its own
+            return batch.add_deltas(x, out, lambda i, rows: lora_forward(
+                rows, batch.factor(i, self, "lora_A"), batch.factor(i, self, "lora_B"), self.scaling,
+                self.lora_dropout, self.training))
         return out + lora_forward(x, self.lora_A, self.lora_B, self.scaling, self.lora_dropout,
                                   self.training).to(out.dtype)
 
@@ -108,6 +114,11 @@ class GroupedLoraProjection(GroupedOutputProjection, LoraModule):
     def forward(self, o: torch.Tensor) -> torch.Tensor:
         """o [B,S,G,in_g] -> [B,S,G·out_g]."""
         out = super().forward(o)
+        batch = active_batch()
+        if batch is not None:
+            return batch.add_deltas(o, out, lambda i, rows: grouped_lora_forward(
+                rows, batch.factor(i, self, "lora_A"), batch.factor(i, self, "lora_B"), self.scaling,
+                self.lora_dropout, self.training))
         return out + grouped_lora_forward(o, self.lora_A, self.lora_B, self.scaling, self.lora_dropout,
                                           self.training).to(out.dtype)
 
@@ -172,9 +183,19 @@ class ExpertLoraLinear(nn.Linear, LoraModule):
         b = self._factors.lora_B
         return b[self.expert] if b.dim() == 3 else b
 
+    def _batch_factor(self, batch, index: int, name: str) -> torch.Tensor:
+        """Adapter `index`'s factor of this expert (a slice of its packed tensor, or the shared one)."""
+        t = batch.factor(index, self._factors, name)
+        return t[self.expert] if t.dim() == 3 else t
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
         out = F.linear(x, self.weight, self.bias)
+        batch = active_batch()
+        if batch is not None:  # rows arrive grouped by adapter: the caller sets `batch.rows(...)`
+            return batch.add_deltas(x, out, lambda i, rows: lora_forward(
+                rows, self._batch_factor(batch, i, "lora_A"), self._batch_factor(batch, i, "lora_B"), self.scaling,
+                self.lora_dropout, self.training))
         return out + lora_forward(x, self.lora_A, self.lora_B, self.scaling, self.lora_dropout,
                                   self.training).to(out.dtype)
 
@@ -211,6 +232,11 @@ class LoraGate(Gate, LoraModule):
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """Unbiased expert scores [T, E] in fp32, the LoRA delta added before the softplus."""
         logits = x.float() @ self.weight.float().t()
+        batch = active_batch()
+        if batch is not None:
+            return torch.sqrt(F.softplus(batch.add_deltas(x.float(), logits, lambda i, rows: lora_forward(
+                rows, batch.factor(i, self, "lora_A"), batch.factor(i, self, "lora_B"), self.scaling,
+                self.lora_dropout, self.training).float())))
         logits = logits + lora_forward(x.float(), self.lora_A, self.lora_B, self.scaling, self.lora_dropout,
                                        self.training).float()
         return torch.sqrt(F.softplus(logits))

@@ -72,6 +72,11 @@ class ResidentBase:
                     out[key] = nn.Parameter(torch.empty_like(p).uniform_(-bound, bound, generator=gen))
             return out
 
+    def adapter_slots(self, placement: PlacementConfig) -> dict[str, tuple[nn.Module, str]]:
+        """Canonical adapter key -> (module, factor name) in `placement`'s shell (where `bind` plugs tensors)."""
+        self.shell(placement)
+        return dict(self._slots[json.dumps(placement.to_dict(), sort_keys=True, default=str)])
+
     @contextmanager
     def bind(self, placement: PlacementConfig, adapter: dict[str, torch.Tensor]):
         """Hold the base and run the shell with `adapter`'s tensors plugged in (no copy)."""

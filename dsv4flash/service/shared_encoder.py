@@ -42,35 +42,89 @@ class MultiAdapterResult:
     logits: list[torch.Tensor]
     refused: dict[int, str] = field(default_factory=dict)
     shared: list[int] = field(default_factory=list)
+    batched: list[int] = field(default_factory=list)  # exact=False: adapters whose decoder halves ran batched
     compressor_reuses: int = 0  # adapters that took the source compressor's latent from the shared pass
 
 
-@contextmanager
-def _cached_compressor(model, latent_cache: dict):
-    """Layer decoder_start's compressor returns the latent computed once (input checked bit-equal)."""
-    comp = model.layers[model.cfg.decoder_start].attn.compressor
-    if comp is None:
-        yield
-        return
+def _same_args(args: tuple, seen: tuple) -> bool:
+    """Positional args equal to a memo entry's: the same object, or a tensor with the same shape and bits."""
+    if len(args) != len(seen):
+        return False
+    for a, b in zip(args, seen):
+        if a is b:
+            continue
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            if a != b:
+                return False
+        elif a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b):
+            return False
+    return True
 
-    def forward(x):
-        if "x" in latent_cache and torch.equal(latent_cache["x"], x):
-            latent_cache["hits"] = latent_cache.get("hits", 0) + 1
-            return latent_cache["latent"]
-        out = type(comp).forward(comp, x)
-        latent_cache.update(x=x, latent=out)
+
+def _memoize(owner, method: str, memo: dict, stat: str):
+    """owner.<method>(*args) returns the result of an earlier call with bit-equal args (two entries kept)."""
+    original = getattr(type(owner), method)
+    entries = memo.setdefault(id(owner), [])
+
+    def call(*args, **kwargs):
+        if not kwargs:
+            for seen, out in entries:
+                if _same_args(args, seen):
+                    memo[stat] = memo.get(stat, 0) + 1
+                    return out
+        out = original(owner, *args, **kwargs)
+        entries.insert(0, (args, out))
+        del entries[2:]  # hc runs twice per block (attention and FFN site): keep both
         return out
 
-    comp.forward = forward
+    return call
+
+
+@contextmanager
+def _shared_prefix(model, memo: dict):
+    """Layer decoder_start's work before its first LoRA op is done once for all adapters of the batch.
+
+    For a decoder-only adapter with the KV write frozen, the attention-site hyper-connection, `attn_norm`, the
+    KV projection `wkv` / `kv_norm`, the source compressor and its index keys all see the shared encoder output
+    and base weights only; each is memoised on bit-equal inputs (the chain mostly hits on object identity).
+    """
+    block = model.layers[model.cfg.decoder_start]
+    attn = block.attn
+    sites = [(block.hc, "forward", "hc_reuses"), (block.attn_norm, "forward", "norm_reuses"),
+             (attn.wkv, "forward", "kv_reuses"), (attn.kv_norm, "forward", "kv_reuses")]
+    if attn.compressor is not None:
+        sites.append((attn.compressor, "forward", "hits"))
+    if attn.indexer is not None and attn.compressor is not None:
+        sites.append((attn.indexer, "index_keys", "index_key_reuses"))
+    from dsv4flash.lora.layers import is_lora_module
+
+    sites = [site for site in sites if not is_lora_module(site[0])]  # an adapted op is never shared
     try:
+        for owner, method, stat in sites:
+            setattr(owner, method, _memoize(owner, method, memo, stat))
         yield
     finally:
-        del comp.forward
+        for owner, method, _ in sites:
+            owner.__dict__.pop(method, None)
+
+
+def _placement_key(placement) -> str:
+    import json
+
+    return json.dumps(placement.to_dict(), sort_keys=True, default=str)
 
 
 @torch.no_grad()
-def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple], share: bool = True) -> MultiAdapterResult:
-    """input_ids [B,S]; adapters: [(placement, tensors)] -> logits per adapter (shared encoder where allowed)."""
+def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple], share: bool = True,
+                         exact: bool = True) -> MultiAdapterResult:
+    """input_ids [B,S]; adapters: [(placement, tensors)] -> logits per adapter (shared encoder where allowed).
+
+    `exact` (default): one decoder pass per shared adapter, logits bit-equal to separate runs. `exact=False`:
+    shared adapters of one placement run their decoder halves as one batched pass (`batched_decoder.py`),
+    equal to fp32 rounding only.
+    """
+    from dsv4flash.service.batched_decoder import batched_decoder_logits
+
     result = MultiAdapterResult([None] * len(adapters))
     start = resident.cfg.decoder_start
     with resident.lock:
@@ -87,11 +141,27 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
             base = resident.model
             streams, pre_mix, ctx = base.embed_inputs(input_ids)  # [B,S,hc,D]
             enc = base.run_layers(streams, pre_mix, CSA2State(), ctx, 0, start) + (ctx,)
+        groups: dict[str, list[int]] = {}
+        if not exact:
+            for i in result.shared:
+                groups.setdefault(_placement_key(adapters[i][0]), []).append(i)
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            pc = adapters[members[0]][0]
+            with resident.bind(pc, adapters[members[0]][1]) as model:
+                logits = batched_decoder_logits(model, resident.adapter_slots(pc), [adapters[i][1] for i in members],
+                                                enc, cache)
+            for i, lg in zip(members, logits):
+                result.logits[i] = lg
+            result.batched.extend(members)
         for i, (pc, tensors) in enumerate(adapters):
+            if result.logits[i] is not None:
+                continue
             with resident.bind(pc, tensors) as model:
                 if i in result.shared:
                     streams, pre_mix, state, ctx = enc
-                    with _cached_compressor(model, cache):
+                    with _shared_prefix(model, cache):
                         streams, pre_mix, _ = model.run_layers(streams, pre_mix, state, ctx, start, None)
                     result.logits[i] = model.logits(streams, pre_mix)  # [B,S,V]
                 else:

@@ -1,5 +1,6 @@
 """Shared-encoder multi-adapter logits are bit-equal to separate runs; ineligible adapters are refused."""
 
+import pytest
 import torch
 
 from dsv4flash.lora import LoraConfig
@@ -28,3 +29,63 @@ def test_shared_encoder_bit_equal_and_refusals(resident):
         assert torch.equal(a, b)
     assert not torch.equal(shared.logits[0], shared.logits[1])  # the adapters really differ
     assert sharing_refusal(resident, dec) is None
+
+
+def _decoder_placements():
+    from dsv4flash.lora import PRESETS
+
+    router = list(PRESETS["decoder_half"].include) + ["layers.*.ffn.gate"]
+    return [LoraConfig(preset="decoder_half", rank=2), LoraConfig(preset="decoder_half", rank=4, seed=1),
+            LoraConfig(preset="decoder_half", rank=2, include=router, seed=2),
+            LoraConfig(preset="decoder_half", rank=2, wo_a_lora="shared_a", expert_lora="shared_outer", seed=3)]
+
+
+def test_batched_decoders_match_separate_runs_to_rounding(resident):
+    """exact=False: same-placement adapters share one batched decoder pass; logits equal separate runs to fp32
+    rounding (not bit for bit: CPU kernels pick vector/scalar paths by the whole batch's layout)."""
+    placements = _decoder_placements()
+    adapters = [(pc, _adapter(resident, pc, 10 * j + k)) for j, pc in enumerate(placements) for k in range(3)]
+    adapters.append((placements[1], _adapter(resident, placements[1], 99)))
+    ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(1))
+    batched = multi_adapter_logits(resident, ids, adapters, exact=False)
+    separate = multi_adapter_logits(resident, ids, adapters, share=False)
+    exact = multi_adapter_logits(resident, ids, adapters)
+    assert sorted(batched.batched) == list(range(len(adapters))) and exact.batched == []
+    assert batched.compressor_reuses == 2 + 3 + 2 + 2  # each placement's batch compresses the source KV once
+    for i, (a, b, c) in enumerate(zip(batched.logits, separate.logits, exact.logits)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"adapter {i} ({adapters[i][0].preset})")
+        assert torch.equal(c, b)
+    assert len({tuple(x.flatten()[:8].tolist()) for x in batched.logits}) == len(adapters)  # all different
+
+
+def test_batched_routed_experts_split_rows_by_chunk(resident):
+    """Few tokens over many experts: an expert's rows come unevenly from the chunks and still get their adapter."""
+    pc = LoraConfig(preset="decoder_half", rank=2)
+    adapters = [(pc, _adapter(resident, pc, s)) for s in range(4)]
+    ids = torch.randint(3, 400, (1, 5), generator=torch.Generator().manual_seed(2))
+    batched = multi_adapter_logits(resident, ids, adapters, exact=False)
+    separate = multi_adapter_logits(resident, ids, adapters, share=False)
+    for a, b in zip(batched.logits, separate.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_adapter_batch_rejects_bad_rows_and_mismatched_adapters(resident):
+    """Rows that do not split into the batch's chunks, and an adapter missing a factor, are named errors."""
+    from dsv4flash.lora.adapter_batch import AdapterBatch
+
+    pc = LoraConfig(preset="decoder_half", rank=2)
+    slots = resident.adapter_slots(pc)
+    good = _adapter(resident, pc, 0)
+    batch = AdapterBatch(slots, [good, good, good])
+    assert batch.bounds(6) == [(0, 2), (2, 4), (4, 6)]
+    with pytest.raises(ValueError, match="7 rows do not split"):
+        batch.bounds(7)
+    with batch.rows([1, 0, 4]):
+        assert batch.bounds(5) == [(0, 1), (1, 1), (1, 5)]
+        with pytest.raises(ValueError, match="cover 5 rows, the input has 6"):
+            batch.bounds(6)
+    missing = dict(good)
+    key = sorted(missing)[0]
+    del missing[key]
+    with pytest.raises(KeyError, match="adapter 1 of the batch lacks"):
+        AdapterBatch(slots, [good, missing])

@@ -1,0 +1,93 @@
+"""Several adapters of one placement in one forward: the batch is N equal row chunks, chunk i runs adapter i.
+
+The LoRA wrappers (`layers.py`) compute the frozen base op once over all N·R rows and add each adapter's
+low-rank delta to its own rows only, so a multi-adapter batch costs one base pass plus N small deltas
+instead of N full passes (S-LoRA / punica style, on the reference model). Nothing here touches the model
+code: a wrapper asks `active_batch()` and, when a batch is set, hands its rows to `AdapterBatch.add_deltas`.
+
+Row chunks are equal splits of dim 0 (`[N·B, S, …]` and its flattened `[N·B·S, …]` both split that way),
+except where a caller sets explicit `segments` (routed experts: the rows an expert got from each chunk).
+
+Not bit-exact: a row's result can depend on the batch around it on CPU (vectorised vs scalar paths of
+transcendental elementwise ops, e.g. `sigmoid` on strided views; GEMM kernel choice), so a batched pass agrees
+with separate passes to fp32 rounding, not bit for bit (measured in tests/service/test_shared_encoder.py).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+_ACTIVE: contextvars.ContextVar["AdapterBatch | None"] = contextvars.ContextVar("dsv4flash_adapter_batch",
+                                                                               default=None)
+
+
+def active_batch() -> "AdapterBatch | None":
+    """The multi-adapter batch the current forward runs under (None: the wrapper's own factors)."""
+    return _ACTIVE.get()
+
+
+class AdapterBatch:
+    """N adapters' factor tensors, looked up by (owner module, factor name), and the current row segments."""
+
+    def __init__(self, slots: Mapping[str, tuple[nn.Module, str]], adapters: Sequence[Mapping[str, torch.Tensor]]):
+        if not adapters:
+            raise ValueError("an adapter batch needs at least one adapter")
+        self.size = len(adapters)
+        self._factors: list[dict[tuple[int, str], torch.Tensor]] = []
+        for i, tensors in enumerate(adapters):
+            missing = sorted(set(slots) - set(tensors))
+            if missing:
+                raise KeyError(f"adapter {i} of the batch lacks {missing[:3]} (every adapter must match the placement)")
+            self._factors.append({(id(module), attr): tensors[key] for key, (module, attr) in slots.items()})
+        self.segments: list[int] | None = None
+
+    def factor(self, index: int, owner: nn.Module, name: str) -> torch.Tensor:
+        """Adapter `index`'s tensor for `owner.name` (the wrapper, or a routed expert's packed factors)."""
+        return self._factors[index][(id(owner), name)]
+
+    def bounds(self, rows: int) -> list[tuple[int, int]]:
+        """[(start, end)] row range of each adapter for a tensor with `rows` rows in dim 0."""
+        sizes = self.segments
+        if sizes is None:
+            if rows % self.size:
+                raise ValueError(f"adapter batch of {self.size}: {rows} rows do not split into equal chunks")
+            sizes = [rows // self.size] * self.size
+        elif sum(sizes) != rows:
+            raise ValueError(f"adapter batch segments {sizes} cover {sum(sizes)} rows, the input has {rows}")
+        out, start = [], 0
+        for size in sizes:
+            out.append((start, start + size))
+            start += size
+        return out
+
+    def add_deltas(self, x: torch.Tensor, out: torch.Tensor,
+                   delta: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """out[rows of i] += delta(i, x[rows of i]) for each adapter i (in place; `out` is the base output)."""
+        for i, (start, end) in enumerate(self.bounds(x.shape[0])):
+            if end > start:
+                out[start:end] += delta(i, x[start:end]).to(out.dtype)
+        return out
+
+    @contextmanager
+    def rows(self, sizes: Sequence[int]):
+        """Within the block, wrappers split their rows by `sizes` (one entry per adapter) instead of equally."""
+        saved, self.segments = self.segments, list(sizes)
+        try:
+            yield
+        finally:
+            self.segments = saved
+
+
+@contextmanager
+def adapter_batch(batch: AdapterBatch):
+    """Run the block's forwards with `batch` active (thread- and task-local)."""
+    token = _ACTIVE.set(batch)
+    try:
+        yield batch
+    finally:
+        _ACTIVE.reset(token)
