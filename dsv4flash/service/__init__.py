@@ -7,6 +7,7 @@ from dsv4flash.service.client import ServiceClient
 from dsv4flash.service.futures import APIFuture
 from dsv4flash.service.resident import ResidentBase
 from dsv4flash.service.sampling import SamplingClient
+from dsv4flash.service.shared_sampling import SharedSampling, sample_shared
 from dsv4flash.service.training import TrainingClient
 from dsv4flash.service.types import (AdamParams, Datum, EncodedTextChunk, ForwardBackwardOutput, GetInfoResponse,
                                      LoadWeightsResponse, LoraConfig, ModelInput, OptimStepResponse,
@@ -17,4 +18,5 @@ from dsv4flash.service import types
 __all__ = ["ServiceClient", "TrainingClient", "SamplingClient", "APIFuture", "ResidentBase", "AdamParams", "Datum",
            "EncodedTextChunk", "ForwardBackwardOutput", "GetInfoResponse", "LoadWeightsResponse", "LoraConfig",
            "ModelInput", "OptimStepResponse", "ParsedCheckpointTinkerPath", "SampledSequence", "SampleResponse",
-           "SamplingParams", "SaveWeightsForSamplerResponse", "SaveWeightsResponse", "TensorData", "types"]
+           "SamplingParams", "SaveWeightsForSamplerResponse", "SaveWeightsResponse", "TensorData", "types",
+           "SharedSampling", "sample_shared"]

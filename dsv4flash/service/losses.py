@@ -6,7 +6,12 @@ import torch
 
 LOSS_INPUTS = {"cross_entropy": ("target_tokens", "weights"),
                "importance_sampling": ("target_tokens", "logprobs", "advantages"),
-               "ppo": ("target_tokens", "logprobs", "advantages")}
+               "ppo": ("target_tokens", "logprobs", "advantages"),
+               "cispo": ("target_tokens", "logprobs", "advantages"),
+               "dro": ("target_tokens", "logprobs", "advantages")}
+# Tinker's defaults: ppo clips the ratio to [0.8, 1.2]; cispo's clip is one-sided ([0, 4]); dro's β is 0.05.
+CLIP_DEFAULTS = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+DRO_BETA = 0.05
 
 
 def check_inputs(loss_fn: str, index: int, inputs: dict) -> None:
@@ -24,10 +29,17 @@ def datum_loss(loss_fn: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor]
     config = config or {}
     if loss_fn == "cross_entropy":
         return -(logp * inputs["weights"].to(logp.dtype)).sum()
-    ratio = torch.exp(logp - inputs["logprobs"].to(logp.dtype))  # π_θ / π_sampler per token
+    sampler_logp = inputs["logprobs"].to(logp.dtype)
     adv = inputs["advantages"].to(logp.dtype)
+    if loss_fn == "dro":  # −Σ (log p·A − β/2·(log p − log q)²)
+        beta = float(config.get("beta", DRO_BETA))
+        return -(logp * adv - 0.5 * beta * (logp - sampler_logp) ** 2).sum()
+    ratio = torch.exp(logp - sampler_logp)  # π_θ / π_sampler per token
     if loss_fn == "importance_sampling":
         return -(ratio * adv).sum()
-    low = float(config.get("clip_low_threshold", 0.8))
-    high = float(config.get("clip_high_threshold", 1.2))
+    low, high = CLIP_DEFAULTS[loss_fn]
+    low = float(config.get("clip_low_threshold", low))
+    high = float(config.get("clip_high_threshold", high))
+    if loss_fn == "cispo":  # the clipped ratio is a detached weight on log p: clipped tokens still get gradient
+        return -(ratio.clamp(low, high).detach() * adv * logp).sum()
     return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv).sum()

@@ -46,10 +46,15 @@ class SamplingClient:
     def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> APIFuture:
         """`num_samples` continuations of `prompt` -> SampleResponse (logprobs under the sampling distribution)."""
+        return self._exec.submit(self._sample, prompt.to_ints(), int(num_samples), sampling_params,
+                                 self.next_seed(sampling_params), include_prompt_logprobs)
+
+    def next_seed(self, sampling_params: SamplingParams) -> int:
+        """The seed of this client's next `sample` call (the params' seed, else one per client and call)."""
         self._calls += 1
-        seed = sampling_params.seed if sampling_params.seed is not None else hash((self.name, self._calls)) & 0x7FFFFFFF
-        return self._exec.submit(self._sample, prompt.to_ints(), int(num_samples), sampling_params, seed,
-                                 include_prompt_logprobs)
+        if sampling_params.seed is not None:
+            return sampling_params.seed
+        return hash((self.name, self._calls)) & 0x7FFFFFFF
 
     def compute_logprobs(self, prompt: ModelInput) -> APIFuture:
         """log p(token_t | tokens_<t) for every prompt token (None for the first)."""
@@ -76,7 +81,9 @@ class SamplingClient:
         lp = F.log_softmax(logits[0, :-1].float(), -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
         return [None] + lp.tolist()
 
-    def _sample(self, ids: list[int], n: int, params: SamplingParams, seed: int, prompt_lp: bool) -> SampleResponse:
+    def _sample(self, ids: list[int], n: int, params: SamplingParams, seed: int, prompt_lp: bool,
+                prefill=None) -> SampleResponse:
+        """prefill: a future of this client's first-step logits [n, V] computed elsewhere (shared encoder)."""
         if not ids:
             raise ValueError("sample: empty prompt")
         if n < 1:
@@ -88,12 +95,17 @@ class SamplingClient:
         logps: list[list[float]] = [[] for _ in range(n)]
         reasons = ["length"] * n
         live = list(range(n))
+        first = prefill.result() if prefill is not None else None  # before taking the base: the prefill needs it
         with self._model() as model, torch.no_grad():
-            for _ in range(max_tokens):
+            for step in range(max_tokens):
                 if not live:
                     break
-                rows = torch.stack([torch.tensor(ids + tokens[r]) for r in live])  # [R, L+t]
-                logp = process_logits(model(rows)[:, -1], params)  # [R,V]
+                if step == 0 and first is not None:
+                    last = first  # [n,V]: same rows, same ops as model(rows)[:, -1] below
+                else:
+                    rows = torch.stack([torch.tensor(ids + tokens[r]) for r in live])  # [R, L+t]
+                    last = model(rows)[:, -1]
+                logp = process_logits(last, params)  # [R,V]
                 if params.temperature > 0:
                     tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
                 else:

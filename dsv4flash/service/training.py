@@ -55,6 +55,13 @@ class TrainingClient:
         """Loss, target log-probs, and gradients accumulated until the next `optim_step`."""
         return self._exec.submit(self._forward_backward, list(data), loss_fn, loss_fn_config, True)
 
+    def forward_backward_custom(self, data: list[Datum], loss_fn) -> APIFuture:
+        """Any differentiable loss: `loss_fn(data, logprobs_list) -> (scalar loss, metrics)`; gradients accumulate."""
+        if not callable(loss_fn):
+            raise TypeError(f"forward_backward_custom: loss_fn must be callable (data, logprobs) -> (loss, metrics), "
+                            f"got {type(loss_fn).__name__}")
+        return self._exec.submit(self._forward_backward_custom, list(data), loss_fn)
+
     def optim_step(self, adam_params: AdamParams) -> APIFuture:
         """One AdamW step on the accumulated gradients, then zero them."""
         return self._exec.submit(self._optim_step, adam_params)
@@ -104,6 +111,10 @@ class TrainingClient:
         """Async twin of `forward_backward`."""
         return self.forward_backward(*args, **kwargs)
 
+    async def forward_backward_custom_async(self, *args, **kwargs) -> APIFuture:
+        """Async twin of `forward_backward_custom`."""
+        return self.forward_backward_custom(*args, **kwargs)
+
     async def optim_step_async(self, *args, **kwargs) -> APIFuture:
         """Async twin of `optim_step`."""
         return self.optim_step(*args, **kwargs)
@@ -133,6 +144,27 @@ class TrainingClient:
         outputs = [{"logprobs": TensorData.from_torch(lp.detach()), "loss": TensorData.from_torch(l.detach().reshape(1))}
                    for lp, l in zip(logps, per)]
         return ForwardBackwardOutput(loss_fn, outputs, {"loss:sum": float(total.detach())})
+
+    def _forward_backward_custom(self, data, loss_fn) -> ForwardBackwardOutput:
+        # Embedded, so the user's loss sees live log-probs and backprops through the model in one pass (Tinker
+        # does a forward, then a second forward_backward with the loss's gradient w.r.t. the log-probs).
+        if not data:
+            raise ValueError("forward_backward_custom: empty data list")
+        for i, d in enumerate(data):
+            if "target_tokens" not in d.loss_fn_inputs:
+                raise KeyError(f"datum {i}: forward_backward_custom needs loss_fn_inputs['target_tokens']")
+        with self.service.base.bind(self.placement, self.adapter) as model, torch.enable_grad():
+            logps = target_logprobs(model, data)
+            returned = loss_fn(data, logps)
+            if not (isinstance(returned, tuple) and len(returned) == 2):
+                raise TypeError("forward_backward_custom: loss_fn must return (loss, metrics)")
+            loss, metrics = returned
+            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+                raise ValueError("forward_backward_custom: the loss must be a scalar tensor computed from the logprobs")
+            loss.reshape(()).backward()
+        outputs = [{"logprobs": TensorData.from_torch(lp.detach())} for lp in logps]
+        return ForwardBackwardOutput("custom", outputs, {**{k: float(v) for k, v in (metrics or {}).items()},
+                                                         "loss:sum": float(loss.detach())})
 
     def _optim_step(self, hp: AdamParams) -> OptimStepResponse:
         params = list(self.adapter.values())

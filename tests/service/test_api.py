@@ -48,13 +48,76 @@ def test_losses_match_definitions(service):
     adv = torch.tensor([1.0, -2.0, 0.5, 0.0, 3.0])
     for fn, expect in [("importance_sampling", -(torch.exp(lp - old) * adv).sum()),
                        ("ppo", -torch.minimum(torch.exp(lp - old) * adv,
-                                               torch.exp(lp - old).clamp(0.8, 1.2) * adv).sum())]:
+                                               torch.exp(lp - old).clamp(0.8, 1.2) * adv).sum()),
+                       ("cispo", -(torch.exp(lp - old).clamp(0.0, 4.0) * adv * lp).sum()),
+                       ("dro", -(lp * adv - 0.025 * (lp - old) ** 2).sum())]:
         out = tc.forward([_datum(toks, logprobs=old, advantages=adv)], fn).result()
         assert out.metrics["loss:sum"] == pytest.approx(float(expect), rel=1e-5)
     with pytest.raises(KeyError, match="advantages"):
         tc.forward([_datum(toks, logprobs=old)], "ppo").result()
     with pytest.raises(ValueError, match="loss_fn must be one of"):
         tc.forward([_datum(toks)], "nope").result()
+
+
+def _grads(tc):
+    return {k: p.grad.clone() for k, p in tc.adapter.items() if p.grad is not None}
+
+
+def test_cispo_keeps_gradient_where_ppo_clips_it_and_dro_beta_is_configurable(service):
+    """Token ratio far outside the clip band: PPO's clipped branch has no gradient, CISPO's weight still does."""
+    toks = [0, 5, 6, 7]
+    out = {}
+    for fn in ("ppo", "cispo"):
+        tc = service.create_lora_training_client(rank=2, preset="decoder_half", seed=3)
+        tc.optim_step(types.AdamParams(learning_rate=1e-2))  # B != 0 from here on, so A gets gradients too
+        lp = tc.forward([_datum(toks)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+        tc.forward_backward([_datum(toks, logprobs=lp - 3.0, advantages=[1.0, 1.0, 1.0])], fn).result()
+        out[fn] = _grads(tc)
+    assert all(float(g.abs().max()) == 0.0 for g in out["ppo"].values())  # ratio e^3 > 1.2 with A > 0: clipped
+    assert any(float(g.abs().max()) > 0.0 for g in out["cispo"].values())
+    tc = service.create_lora_training_client(rank=2, preset="decoder_half", seed=3)
+    lp = tc.forward([_datum(toks)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+    d = _datum(toks, logprobs=lp - 1.0, advantages=[0.0, 0.0, 0.0])
+    assert tc.forward([d], "dro", {"beta": 2.0}).result().metrics["loss:sum"] == pytest.approx(3.0, rel=1e-5)
+
+
+def test_forward_backward_custom_matches_builtin_and_runs_a_pairwise_loss(service):
+    """A custom loss equal to cross_entropy gives bit-equal gradients; a Bradley-Terry (DPO-style) loss trains."""
+    data = [_datum([0, 5, 6, 7, 8]), _datum([0, 9, 10, 11])]
+    builtin = service.create_lora_training_client(rank=2, preset="decoder_half", seed=4)
+    custom = service.create_lora_training_client(rank=2, preset="decoder_half", seed=4)
+    for tc in (builtin, custom):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    builtin.forward_backward(data, "cross_entropy").result()
+
+    def ce(batch, logprobs):
+        per = [-(lp * d.loss_fn_inputs["weights"].to_torch().to(lp.dtype)).sum() for lp, d in zip(logprobs, batch)]
+        total = torch.stack(per).sum()
+        return total, {"ce": float(total.detach())}
+
+    res = custom.forward_backward_custom(data, ce).result()
+    assert res.loss_fn_output_type == "custom" and res.metrics["ce"] == res.metrics["loss:sum"]
+    g1, g2 = _grads(builtin), _grads(custom)
+    assert g1.keys() == g2.keys() and all(torch.equal(g1[k], g2[k]) for k in g1)
+
+    def bradley_terry(batch, logprobs):  # chosen = datum 0, rejected = datum 1 (the cookbook's DPO shape)
+        margin = logprobs[0].sum() - logprobs[1].sum()
+        loss = -torch.nn.functional.logsigmoid(margin)
+        return loss, {"margin": float(margin.detach())}
+
+    pref = service.create_lora_training_client(rank=2, preset="decoder_half", seed=5)
+    margins = []
+    for _ in range(3):
+        margins.append(pref.forward_backward_custom(data, bradley_terry).result().metrics["margin"])
+        pref.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    assert margins[0] < margins[1] < margins[2]
+    with pytest.raises(TypeError, match="must be callable"):
+        pref.forward_backward_custom(data, "cross_entropy")
+    with pytest.raises(TypeError, match=r"return \(loss, metrics\)"):
+        pref.forward_backward_custom(data, lambda b, lps: lps[0].sum()).result()
+    with pytest.raises(ValueError, match="scalar tensor"):
+        pref.forward_backward_custom(data, lambda b, lps: (torch.tensor(1.0), {})).result()
 
 
 def test_save_load_state_with_optimizer_resumes_bit_identically(service):

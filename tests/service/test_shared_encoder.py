@@ -89,3 +89,33 @@ def test_adapter_batch_rejects_bad_rows_and_mismatched_adapters(resident):
     del missing[key]
     with pytest.raises(KeyError, match="adapter 1 of the batch lacks"):
         AdapterBatch(slots, [good, missing])
+
+
+def test_shared_prefill_sampling_equals_each_clients_own_sample(resident, tmp_path):
+    """sample_shared: same tokens and log-probs as client.sample for every client; the prefill is shared only by
+    decoder-only, KV-frozen adapters (a full_linear adapter and the bare base run their own, with reasons)."""
+    import dsv4flash.service as tinker
+    from dsv4flash.service import types
+
+    service = tinker.ServiceClient(root=tmp_path, resident=resident)
+    clients = []
+    for i, preset in enumerate(["decoder_half", "decoder_half", "full_linear", "decoder_half"]):
+        tc = service.create_lora_training_client(rank=2, preset=preset, seed=i)
+        datum = types.Datum(model_input=types.ModelInput.from_ints([0, 5 + i, 6, 7]),
+                            loss_fn_inputs={"target_tokens": [5 + i, 6, 7, 8], "weights": [1.0] * 4})
+        tc.forward_backward([datum], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=5e-2))
+        clients.append(tc.save_weights_and_get_sampling_client())
+    clients.append(service.create_sampling_client(base_model="tiny"))
+    prompt = types.ModelInput.from_ints([0, 11, 12, 13, 14, 15])
+    params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=7)
+    shared = tinker.sample_shared(clients, prompt, 3, params)
+    alone = [c.sample(prompt, 3, params).result() for c in clients]
+    assert shared.shared == [0, 1, 3]
+    assert "not decoder-only" in shared.refused[2] and "bare base" in shared.refused[4]
+    for got, want in zip(shared.result(), alone):
+        assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
+        assert [s.logprobs for s in got.sequences] == [s.logprobs for s in want.sequences]
+    assert len({tuple(r.sequences[0].logprobs) for r in alone}) == len(clients)  # the adapters really differ
+    with pytest.raises(ValueError, match="empty prompt"):
+        tinker.sample_shared(clients, types.ModelInput.from_ints([]), 1, params)
