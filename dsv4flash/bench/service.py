@@ -67,8 +67,8 @@ def _shared(args, rep: BenchReport) -> dict:
     rep.add("peak_matmul_gflops", peak / 1e9, "GFLOP/s", note="1024^3 fp32 sgemm, this machine, same threads")
     out = {}
     for n in (1, 2, 4, 8):
-        modes = {"separate": dict(share=False), "per_adapter": dict(share=True, batched=False),
-                 "batched": dict(share=True, batched=True)}
+        modes = {"separate": dict(share=False), "per_adapter": dict(share=True),
+                 "batched": dict(share=True, exact=False)}
         times = {m: [] for m in modes}
         for _ in range(args.repeats):
             for m, kw in modes.items():
@@ -88,8 +88,11 @@ def _shared(args, rep: BenchReport) -> dict:
                 note="encoder + source KV once, decoder halves as one adapter batch")
         out[n] = {"shared": sep / bat, "per_adapter": sep / per,
                   "flop_bound": (e_flops + d_flops) / (e_flops / n + d_flops)}
-    rep.target(f"shared-encoder throughput at N=8 {out[8]['shared']:.2f}x >= {TARGET_SHARED}x separate",
-               out[8]["shared"] >= TARGET_SHARED)
+    rep.target(f"shared encoder, batched decoders (equal to fp32 rounding) at N=8: {out[8]['shared']:.2f}x >= "
+               f"{TARGET_SHARED}x separate", out[8]["shared"] >= TARGET_SHARED)
+    rep.target(f"shared encoder, bit-exact (decoder pass per adapter) at N=8: {out[8]['per_adapter']:.2f}x >= "
+               f"{TARGET_SHARED}x separate (its FLOP bound here: {out[8]['flop_bound']:.2f}x)",
+               out[8]["per_adapter"] >= TARGET_SHARED)
     return out
 
 
