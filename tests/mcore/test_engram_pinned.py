@@ -371,3 +371,19 @@ def test_cuda_shared_table_file_is_registered_in_place(tiny_cfg, tmp_path):
     got_values, got_scale = peer.gather_stored(ids.cuda())
     assert torch.equal(got_values.cpu().view(torch.uint8), values[ids].view(torch.uint8))
     assert torch.equal(got_scale.cpu(), scale[ids])
+
+
+def test_cpu_row_dequantize_matches_the_definition():
+    """The CPU fast path (bridge codec) gives float(v)·2^(s−127) exactly, for fp32/bf16 and any leading shape."""
+    from dsv4flash.integrations.mcore.host_table import dequantize_rows_e8m0
+
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (3, 5, 64), generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # the two E4M3 NaN codes are never stored
+    values = codes.view(torch.float8_e4m3fn)
+    scales = torch.randint(100, 150, (3, 5, 2), generator=gen, dtype=torch.uint8)
+    want = (values.float().unflatten(-1, (2, 32)) * torch.exp2(scales.float() - 127).unsqueeze(-1)).flatten(-2)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = dequantize_rows_e8m0(values, scales, dtype)
+        assert got.shape == (3, 5, 64) and got.dtype == dtype
+        assert torch.equal(got, want.to(dtype))

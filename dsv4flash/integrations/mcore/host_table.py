@@ -56,6 +56,12 @@ def quantize_rows_e8m0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def dequantize_rows_e8m0(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """E4M3 rows [N, D] × E8M0 scales [N, D/32] -> rows [N, D] in `dtype`: float(v) · 2^(s − 127)."""
+    if values.device.type == "cpu" and values.numel() and dtype in (torch.float32, torch.bfloat16, torch.float16):
+        # torch's CPU fp8 -> fp32 cast is a scalar loop; the bridge codec decodes the same values ~20× faster
+        from dsv4flash_bridge.codecs import decode_engram_fp8
+
+        return decode_engram_fp8(values.reshape(-1, values.shape[-1]), scale.reshape(-1, scale.shape[-1]),
+                                 dtype=dtype, name="engram host table rows").reshape(values.shape)
     factor = torch.exp2(scale.float() - 127.0)  # [N, D/32]
     blocks = values.float().unflatten(-1, (-1, FP8_BLOCK)) * factor.unsqueeze(-1)
     return blocks.flatten(-2).to(dtype)
