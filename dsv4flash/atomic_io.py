@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["fsync_path", "publish_directory"]
+__all__ = ["fsync_path", "publish_directory", "write_bytes_atomic"]
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -18,6 +18,23 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to a sibling temp file, fsync it, rename it onto `path`, fsync the directory."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_path(target.parent)
+    return target
 
 
 def publish_directory(directory: str | os.PathLike, write: Callable[[Path], None], *, overwrite: bool,

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from dsv4flash.lora import LoraConfig as PlacementConfig
+from dsv4flash.service.checkpoints import CheckpointRegistry
 from dsv4flash.service.resident import ResidentBase
 from dsv4flash.service.sampling import SamplingClient
 from dsv4flash.service.training import TrainingClient
@@ -34,6 +35,7 @@ class ServiceClient:
         self.root = Path(root if root is not None else self._tmp.name)
         self.store = AdapterStore(self.root)
         self.store_lock = threading.Lock()
+        self.checkpoints = CheckpointRegistry(self.root)
         self._fingerprint = None
         self._tokenizer = None
 
@@ -59,7 +61,9 @@ class ServiceClient:
         # The reference model keeps the head frozen (no unembed LoRA); train_unembed is accepted and ignored.
         pc = PlacementConfig(preset=preset, rank=int(rank), seed=int(seed or 0), exclude=exclude or None, **placement)
         run_id = run_id or f"run-{next(_run_counter)}-{id(self) & 0xFFFF:04x}"
-        self.store.create_policy(run_id, self.fingerprint(), dict(user_metadata or {}))
+        self.store.create_policy(run_id, self.fingerprint(), {
+            "user_metadata": dict(user_metadata or {}),
+            "dsv4flash_service": {"base_model": self.base.base_model, "lora_rank": pc.rank, "preset": pc.preset}})
         return TrainingClient(self, run_id, pc, self.base.fresh_adapter(pc))
 
     def create_training_client_from_state(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
@@ -78,6 +82,56 @@ class ServiceClient:
         tensors, _ = self._read_checkpoint(model_path, False)
         pc = self._placement_of(model_path)
         return SamplingClient(self, pc, tensors, ParsedCheckpointTinkerPath.from_tinker_path(model_path).checkpoint_id)
+
+    def create_rest_client(self):
+        """Run and checkpoint management (list, delete, publish, TTL, archive URL)."""
+        from dsv4flash.service.rest import RestClient
+
+        return RestClient(self)
+
+    # ---- checkpoint retention ----
+    def require_checkpoint(self, path: str):
+        """The catalog revision behind a checkpoint path; FileNotFoundError if it is absent, deleted or expired."""
+        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+        if self.checkpoints.is_expired(path):
+            raise FileNotFoundError(f"checkpoint {path}: expired (ttl_seconds) and no longer served")
+        try:
+            return self.store.resolve(f"{parsed.training_run_id}:{parsed.tag}")
+        except Exception as exc:
+            raise FileNotFoundError(f"checkpoint {path}: not in the store at {self.root} ({exc})") from exc
+
+    def delete_checkpoint(self, path: str) -> None:
+        """Remove a checkpoint's name; its revision is retired unless the head or another name still uses it."""
+        from dsv4flash.lifecycle.errors import ReferencedRevisionError, RevisionNotFoundError
+
+        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+        with self.store_lock:
+            try:
+                rev_id = self.store.catalog.untag(parsed.training_run_id, parsed.tag, reason="delete")
+            except RevisionNotFoundError as exc:
+                raise FileNotFoundError(f"checkpoint {path}: not in the store at {self.root} ({exc})") from exc
+            try:
+                self.store.catalog.retire(rev_id)
+            except ReferencedRevisionError:
+                pass  # still the run's head or another checkpoint's revision: its bytes stay
+            self.checkpoints.forget(path)
+
+    def expire_checkpoints(self, now: float | None = None) -> list[str]:
+        """Delete every checkpoint whose TTL has passed -> their paths."""
+        gone = []
+        for path in self.checkpoints.expired(now):
+            try:
+                self.delete_checkpoint(path)
+            except FileNotFoundError:
+                self.checkpoints.forget(path)  # deleted another way meanwhile
+            gone.append(path)
+        return gone
+
+    def gc(self, *, grace_s: float = 3600.0, dry_run: bool = False):
+        """Expire checkpoints past their TTL, then free blobs no live revision references (`AdapterStore.gc`)."""
+        if not dry_run:
+            self.expire_checkpoints()
+        return self.store.gc(grace_s=grace_s, dry_run=dry_run)
 
     def get_tokenizer(self):
         """A TaskTokenizer for the base config."""
@@ -114,18 +168,13 @@ class ServiceClient:
         return SamplingClient(self, placement, adapter, name)
 
     def _placement_of(self, path: str) -> PlacementConfig:
-        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
-        rec = self.store.resolve(f"{parsed.training_run_id}:{parsed.tag}")
+        rec = self.require_checkpoint(path)
         manifest = self.store.load(rec.id).manifest
         return PlacementConfig.from_dict(dict(manifest.extra["placement"]))
 
     def _read_checkpoint(self, path: str, with_state: bool):
         parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
-        ref = f"{parsed.training_run_id}:{parsed.tag}"
-        try:
-            rec = self.store.resolve(ref)
-        except Exception as exc:
-            raise FileNotFoundError(f"checkpoint {path}: not in the store at {self.root} ({exc})") from exc
+        rec = self.require_checkpoint(path)
         tensors = dict(self.store.load_adapter(rec.id, resident_base=self.fingerprint()))
         state = None
         if with_state:

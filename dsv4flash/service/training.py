@@ -68,11 +68,11 @@ class TrainingClient:
 
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False) -> APIFuture:
         """Weights + optimizer state -> `tinker://<run>/weights/<name>` (an existing name returns its path)."""
-        return self._exec.submit(self._save, name, "weights", overwrite)
+        return self._exec.submit(self._save, name, "weights", overwrite, ttl_seconds)
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> APIFuture:
         """Adapter weights -> `tinker://<run>/sampler_weights/<name>`."""
-        return self._exec.submit(self._save, name, "sampler_weights", False)
+        return self._exec.submit(self._save, name, "sampler_weights", False, ttl_seconds)
 
     def load_state(self, path: str) -> APIFuture:
         """Load weights only (optimizer moments start fresh)."""
@@ -180,11 +180,13 @@ class TrainingClient:
         self.step += 1
         return OptimStepResponse({"step": float(self.step), **({"grad_norm": norm} if norm is not None else {})})
 
-    def _save(self, name: str, kind: str, overwrite: bool):
+    def _save(self, name: str, kind: str, overwrite: bool, ttl_seconds: float | None = None):
         path = f"tinker://{self.run_id}/{kind}/{name}"
         tag = ParsedCheckpointTinkerPath.from_tinker_path(path).tag
         store = self.service.store
         response = SaveWeightsResponse if kind == "weights" else SaveWeightsForSamplerResponse
+        if self.service.checkpoints.is_expired(path):
+            self.service.expire_checkpoints()  # an expired name is free again
         if not overwrite and tag in store.catalog.tags(self.run_id):
             return response(path)  # idempotent save-by-name (Tinker's 409 -> same path)
         tensors = {k: p.detach().clone() for k, p in self.adapter.items()}
@@ -196,6 +198,7 @@ class TrainingClient:
         with self.service.store_lock:
             store.publish(self.run_id, tensors, step=self.step, trainer_state=blob, tags=[tag],
                           extra={"placement": self.placement.to_dict(), "kind": kind, "name": name})
+        self.service.checkpoints.set(path, ttl_seconds=ttl_seconds)  # also clears an older expiry on overwrite
         return response(path)
 
     def _load(self, path: str, with_optimizer: bool) -> LoadWeightsResponse:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-LossFnType = Literal["cross_entropy", "importance_sampling", "ppo"]
+LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
 StopReason = Literal["length", "stop"]
 CheckpointType = Literal["training", "sampler"]
 _NP_DTYPES = {"int64": np.int64, "float32": np.float32}
@@ -228,6 +229,68 @@ class GetInfoResponse:
 
     model_id: str
     model_data: ModelData
+
+
+@dataclass
+class Checkpoint:
+    """One saved checkpoint of a run (RestClient listings)."""
+
+    checkpoint_id: str
+    checkpoint_type: CheckpointType
+    time: datetime
+    tinker_path: str
+    size_bytes: int | None = None
+    public: bool = False
+    expires_at: datetime | None = None
+
+
+@dataclass
+class CheckpointsListResponse:
+    """`RestClient.list_checkpoints` / `list_user_checkpoints`."""
+
+    checkpoints: list[Checkpoint]
+    cursor: Cursor | None = None
+
+
+@dataclass
+class Cursor:
+    """Paging position of a listing."""
+
+    offset: int
+    limit: int
+    total_count: int
+
+
+@dataclass
+class TrainingRun:
+    """One training run (a lifecycle policy) as the RestClient reports it."""
+
+    training_run_id: str
+    base_model: str
+    model_owner: str
+    is_lora: bool
+    corrupted: bool
+    lora_rank: int | None
+    last_request_time: datetime
+    last_checkpoint: Checkpoint | None
+    last_sampler_checkpoint: Checkpoint | None
+    user_metadata: dict[str, str] | None = None
+
+
+@dataclass
+class TrainingRunsResponse:
+    """`RestClient.list_training_runs`."""
+
+    training_runs: list[TrainingRun]
+    cursor: Cursor
+
+
+@dataclass
+class CheckpointArchiveUrlResponse:
+    """Where a checkpoint's PEFT export can be downloaded (a local file URL here)."""
+
+    url: str
+    expires: datetime | None = None
 
 
 _PATH = re.compile(r"(tinker|mint)://([^/]+)/(weights|sampler_weights)/([^/]+)")

@@ -33,6 +33,24 @@ def cat(catalog_url, base_fp):
     c.close()
 
 
+def test_untag_frees_a_revision_for_retirement(cat, base_fp):
+    r0 = cat.register(rev("u0", "pol", None, base_fp, 0), tags=["saved.a"])
+    r1 = cat.register(rev("u1", "pol", r0.id, base_fp, 1), tags=["saved.b"])
+    with pytest.raises(ReferencedRevisionError, match="pol:saved.a"):
+        cat.retire(r0.id)
+    assert cat.untag("pol", "saved.a") == r0.id
+    assert cat.tags("pol") == {"saved.b": r1.id}
+    cat.retire(r0.id)  # nothing points at it any more
+    assert r0.id not in cat.live_blob_keys() and r1.id in cat.live_blob_keys()
+    assert [(m.revision, m.reason) for m in cat.tag_history("pol", "saved.a")] == [(r0.id, "publish"), (r0.id, "untag")]
+    with pytest.raises(RevisionNotFoundError, match="no tag 'saved.a'"):
+        cat.untag("pol", "saved.a")
+    with pytest.raises(LifecycleError, match="head cannot be removed"):
+        cat.untag("pol", "head")
+    with pytest.raises(PolicyNotFoundError):
+        cat.untag("nopolicy", "x")
+
+
 def test_register_lookup_resolve(cat, base_fp):
     r1 = cat.register(rev("a", "pol", None, base_fp, 1))
     r2 = cat.register(rev("b", "pol", r1.id, base_fp, 2))

@@ -151,6 +151,10 @@ class Catalog(abc.ABC):
         """Point `policy:tag` at a revision (moving `head` is `tag(policy, "head", …)`)."""
 
     @abc.abstractmethod
+    def untag(self, policy: str, tag: str, *, reason: str = "untag") -> str:
+        """Remove `policy:tag` (never `head`); returns the revision it pointed at. The removal is logged."""
+
+    @abc.abstractmethod
     def tags(self, policy: str) -> dict[str, str]:
         """Tag name -> revision id (without `head`)."""
 

@@ -30,6 +30,23 @@ class ServiceStateSQL:
 
         return self._run(move, write=True)
 
+    def untag(self, policy: str, tag: str, *, reason: str = "untag") -> str:
+        """Remove `policy:tag` (never `head`); returns the revision it pointed at. The removal is logged."""
+        if tag == HEAD:
+            raise LifecycleError(f"{policy}:head cannot be removed; move it with tag() or rollback()")
+
+        def remove(cur):
+            self._policy_row(cur, policy, lock=True)
+            row = self._x(cur, "SELECT revision FROM tags WHERE policy = ? AND tag = ?", (policy, tag)).fetchone()
+            if row is None:
+                raise RevisionNotFoundError(f"policy {policy!r} has no tag {tag!r} in {self.url}")
+            self._x(cur, "DELETE FROM tags WHERE policy = ? AND tag = ?", (policy, tag))
+            self._x(cur, "UPDATE policies SET updated = ? WHERE name = ?", (time.time(), policy))
+            self._log(cur, policy, tag, row[0], row[0], reason)
+            return row[0]
+
+        return self._run(remove, write=True)
+
     def tags(self, policy: str) -> dict[str, str]:
         """Tag name -> revision id (without `head`)."""
         return self.policy(policy).tags

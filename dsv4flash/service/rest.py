@@ -1,0 +1,136 @@
+"""`RestClient`: Tinker's run and checkpoint management over the embedded service's lifecycle store.
+
+Runs are lifecycle policies; checkpoints are their `weights.<name>` / `sampler_weights.<name>` tags. Every
+call returns an `APIFuture` (Tinker's RestClient returns futures too). Listings first expire checkpoints whose
+TTL passed. Deleting a checkpoint removes its tag and retires the revision when nothing else points at it, so
+`ServiceClient.gc()` frees its bytes.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from dsv4flash.service.futures import APIFuture, OrderedExecutor
+from dsv4flash.service.types import (Checkpoint, CheckpointArchiveUrlResponse, CheckpointsListResponse, Cursor,
+                                     ParsedCheckpointTinkerPath, TrainingRun, TrainingRunsResponse)
+
+_KIND_OF_TAG = {"weights": "training", "sampler_weights": "sampler"}
+
+
+def _when(ts: float | None) -> datetime | None:
+    return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc)
+
+
+class RestClient:
+    """Run and checkpoint listings, deletion, publish flags, TTLs and archive URLs (Tinker names)."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+        self._exec = OrderedExecutor(f"rest-{id(self) & 0xFFFF:04x}")
+
+    # ---- runs ----
+    def list_training_runs(self, limit: int = 20, offset: int = 0) -> APIFuture:
+        """Training runs (newest first), paged."""
+        return self._exec.submit(self._list_runs, int(limit), int(offset))
+
+    def get_training_run(self, training_run_id: str) -> APIFuture:
+        """One training run."""
+        return self._exec.submit(self._run, training_run_id)
+
+    def get_training_run_by_tinker_path(self, tinker_path: str) -> APIFuture:
+        """The run a checkpoint path belongs to."""
+        return self.get_training_run(ParsedCheckpointTinkerPath.from_tinker_path(tinker_path).training_run_id)
+
+    # ---- checkpoints ----
+    def list_checkpoints(self, training_run_id: str) -> APIFuture:
+        """A run's checkpoints, newest first."""
+        return self._exec.submit(self._list_checkpoints, training_run_id)
+
+    def list_user_checkpoints(self, limit: int = 100, offset: int = 0) -> APIFuture:
+        """Every run's checkpoints, newest first, paged."""
+        return self._exec.submit(self._list_user_checkpoints, int(limit), int(offset))
+
+    def delete_checkpoint(self, training_run_id: str, checkpoint_id: str) -> APIFuture:
+        """Delete `tinker://<run>/<kind>/<name>`; `checkpoint_id` is `weights/<name>` or `sampler_weights/<name>`."""
+        return self.delete_checkpoint_from_tinker_path(f"tinker://{training_run_id}/{checkpoint_id}")
+
+    def delete_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture:
+        """Delete a checkpoint by path (its name stops resolving now; bytes go at the next gc)."""
+        return self._exec.submit(self.service.delete_checkpoint, tinker_path)
+
+    def publish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture:
+        """Mark a checkpoint public."""
+        return self._exec.submit(self._flag, tinker_path, True)
+
+    def unpublish_checkpoint_from_tinker_path(self, tinker_path: str) -> APIFuture:
+        """Mark a checkpoint private."""
+        return self._exec.submit(self._flag, tinker_path, False)
+
+    def set_checkpoint_ttl_from_tinker_path(self, tinker_path: str, ttl_seconds: float | None) -> APIFuture:
+        """Expire a checkpoint `ttl_seconds` from now (None: never)."""
+        return self._exec.submit(self._ttl, tinker_path, ttl_seconds)
+
+    def get_checkpoint_archive_url_from_tinker_path(self, tinker_path: str) -> APIFuture:
+        """A `file://` URL of the checkpoint exported as a PEFT directory (written once, atomically)."""
+        return self._exec.submit(self._archive, tinker_path)
+
+    # ---- work ----
+    def _checkpoint(self, run_id: str, tag: str, rev) -> Checkpoint:
+        kind, _, name = tag.partition(".")
+        path = f"tinker://{run_id}/{kind}/{name}"
+        entry = self.service.checkpoints.get(path)
+        return Checkpoint(f"{kind}/{name}", _KIND_OF_TAG[kind], _when(rev.created), path, int(rev.nbytes),
+                          bool(entry["public"]), _when(entry["expires_at"]))
+
+    def _list_checkpoints(self, run_id: str) -> CheckpointsListResponse:
+        self.service.expire_checkpoints()
+        catalog = self.service.store.catalog
+        out = [self._checkpoint(run_id, tag, catalog.lookup(rev_id)) for tag, rev_id in catalog.tags(run_id).items()
+               if tag.partition(".")[0] in _KIND_OF_TAG]
+        out.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)
+        return CheckpointsListResponse(out, Cursor(0, len(out), len(out)))
+
+    def _list_user_checkpoints(self, limit: int, offset: int) -> CheckpointsListResponse:
+        every = []
+        for run_id in self.service.store.catalog.list_policies():
+            every += self._list_checkpoints(run_id).checkpoints
+        every.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)
+        return CheckpointsListResponse(every[offset:offset + limit], Cursor(offset, limit, len(every)))
+
+    def _run(self, run_id: str) -> TrainingRun:
+        record = self.service.store.catalog.policy(run_id)  # PolicyNotFoundError names the run
+        checkpoints = self._list_checkpoints(run_id).checkpoints
+        meta = dict(record.meta or {})
+        info = dict(meta.get("dsv4flash_service") or {})
+        last = next((c for c in checkpoints if c.checkpoint_type == "training"), None)
+        last_sampler = next((c for c in checkpoints if c.checkpoint_type == "sampler"), None)
+        return TrainingRun(run_id, info.get("base_model", self.service.base.base_model), "local", True, False,
+                           info.get("lora_rank"), _when(record.updated), last, last_sampler,
+                           meta.get("user_metadata"))
+
+    def _list_runs(self, limit: int, offset: int) -> TrainingRunsResponse:
+        runs = [self._run(name) for name in self.service.store.catalog.list_policies()]
+        runs.sort(key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
+        return TrainingRunsResponse(runs[offset:offset + limit], Cursor(offset, limit, len(runs)))
+
+    def _flag(self, path: str, public: bool) -> None:
+        self.service.require_checkpoint(path)
+        self.service.checkpoints.set(path, public=public)
+
+    def _ttl(self, path: str, ttl_seconds: float | None) -> None:
+        self.service.require_checkpoint(path)
+        self.service.checkpoints.set(path, ttl_seconds=ttl_seconds)
+
+    def _archive(self, path: str) -> CheckpointArchiveUrlResponse:
+        from dsv4flash.lora import save_peft_adapter
+
+        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+        rev = self.service.require_checkpoint(path)
+        # keyed by revision: a name saved again with overwrite=True gets a fresh archive
+        target = self.service.root / "service" / "archives" / parsed.training_run_id / f"{parsed.tag}.{rev.id[:16]}"
+        if not target.exists():
+            tensors, _ = self.service._read_checkpoint(path, False)
+            with self.service.base.bind(self.service._placement_of(path), tensors) as shell:
+                save_peft_adapter(shell, None, target, base_model_name_or_path=self.service.base.base_model)
+        return CheckpointArchiveUrlResponse(target.resolve().as_uri(),
+                                            _when(self.service.checkpoints.get(path)["expires_at"]))

@@ -1,0 +1,116 @@
+"""RestClient over the lifecycle store: runs, checkpoints, delete, publish, TTL expiry, archive URL, gc."""
+
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import torch
+
+import dsv4flash.service as tinker
+from dsv4flash.service import types
+
+
+def _train(service, seed=0, **kw):
+    tc = service.create_lora_training_client(rank=2, preset="decoder_half", seed=seed, **kw)
+    datum = types.Datum(model_input=types.ModelInput.from_ints([0, 5, 6, 7]),
+                        loss_fn_inputs={"target_tokens": [5, 6, 7, 8], "weights": [1.0] * 4})
+    tc.forward_backward([datum], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=1e-2))
+    return tc
+
+
+@pytest.fixture
+def service(resident, tmp_path):
+    return tinker.ServiceClient(root=tmp_path, resident=resident)
+
+
+def test_runs_and_checkpoints_are_listed_like_tinker(service):
+    a = _train(service, user_metadata={"team": "rl"})
+    b = _train(service, seed=1)
+    pa = a.save_state("s1").result().path
+    time.sleep(0.01)
+    ps = a.save_weights_for_sampler("s1").result().path
+    b.save_state("only").result()
+    rest = service.create_rest_client()
+    listing = rest.list_checkpoints(a.run_id).result().checkpoints
+    assert [c.tinker_path for c in listing] == [ps, pa]  # newest first
+    assert [c.checkpoint_type for c in listing] == ["sampler", "training"]
+    assert listing[1].checkpoint_id == "weights/s1" and listing[1].size_bytes > 0 and not listing[1].public
+    run = rest.get_training_run(a.run_id).result()
+    assert run.lora_rank == 2 and run.is_lora and run.user_metadata == {"team": "rl"}
+    assert run.last_checkpoint.tinker_path == pa and run.last_sampler_checkpoint.tinker_path == ps
+    assert rest.get_training_run_by_tinker_path(pa).result().training_run_id == a.run_id
+    runs = rest.list_training_runs(limit=1).result()
+    assert len(runs.training_runs) == 1 and runs.cursor.total_count == 2
+    users = rest.list_user_checkpoints().result()
+    assert users.cursor.total_count == 3
+    rest.publish_checkpoint_from_tinker_path(pa).result()
+    assert rest.list_checkpoints(a.run_id).result().checkpoints[1].public
+    rest.unpublish_checkpoint_from_tinker_path(pa).result()
+    assert not rest.list_checkpoints(a.run_id).result().checkpoints[1].public
+    with pytest.raises(Exception, match="nope"):
+        rest.get_training_run("nope").result()
+
+
+def test_delete_checkpoint_frees_the_name_and_gc_frees_the_bytes(service):
+    tc = _train(service)
+    old = tc.save_state("old").result().path
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    tc.save_state("new").result()
+    rest = service.create_rest_client()
+    before = service.gc(grace_s=0, dry_run=True)
+    rest.delete_checkpoint(tc.run_id, "weights/old").result()
+    with pytest.raises(FileNotFoundError, match="not in the store"):
+        service.create_sampling_client(old)
+    assert [c.checkpoint_id for c in rest.list_checkpoints(tc.run_id).result().checkpoints] == ["weights/new"]
+    report = service.gc(grace_s=0)
+    assert before.blobs_deleted == 0 and report.blobs_deleted == 2  # old adapter + its trainer state
+    service.create_training_client_from_state_with_optimizer(f"tinker://{tc.run_id}/weights/new")  # still loads
+    with pytest.raises(FileNotFoundError):
+        rest.delete_checkpoint_from_tinker_path(old).result()
+
+
+def test_ttl_expires_checkpoints_and_a_name_can_be_saved_again(service):
+    tc = _train(service)
+    short = tc.save_weights_for_sampler("short", ttl_seconds=0.2).result().path
+    keep = tc.save_state("keep", ttl_seconds=3600).result().path
+    rest = service.create_rest_client()
+    entry = {c.tinker_path: c for c in rest.list_checkpoints(tc.run_id).result().checkpoints}
+    assert entry[short].expires_at is not None and entry[keep].expires_at > entry[short].expires_at
+    service.create_sampling_client(short)  # not yet expired
+    time.sleep(0.3)
+    with pytest.raises(FileNotFoundError, match="expired"):
+        service.create_sampling_client(short)
+    assert [c.tinker_path for c in rest.list_checkpoints(tc.run_id).result().checkpoints] == [keep]
+    assert tc.save_weights_for_sampler("short").result().path == short  # the name is free again, no TTL now
+    service.create_sampling_client(short)
+    rest.set_checkpoint_ttl_from_tinker_path(keep, None).result()
+    assert rest.list_checkpoints(tc.run_id).result().checkpoints[-1].expires_at is None
+    with pytest.raises(ValueError, match="ttl_seconds must be positive"):
+        rest.set_checkpoint_ttl_from_tinker_path(keep, 0).result()
+    reopened = tinker.ServiceClient(root=service.root, resident=service.base)  # the registry persists
+    assert reopened.checkpoints.get(keep) == service.checkpoints.get(keep)
+
+
+def test_archive_url_is_a_peft_directory_of_the_checkpoint(service):
+    from dsv4flash.lora import load_peft_adapter, read_adapter_config
+
+    tc = _train(service)
+    path = tc.save_weights_for_sampler("export").result().path
+    url = service.create_rest_client().get_checkpoint_archive_url_from_tinker_path(path).result().url
+    directory = Path(urlparse(url).path)
+    assert (directory / "adapter_config.json").exists() and read_adapter_config(directory)["r"] == 2
+    from safetensors.torch import load_file
+
+    saved = load_file(str(directory / "adapter_model.safetensors"))
+    key = next(k for k in saved if k.endswith("lora_B.weight"))
+    assert torch.equal(saved[key], tc.adapter[key.removeprefix("base_model.model.")].detach())
+    from dsv4flash.lora import lora_state_dict
+    from dsv4flash.model.transformer import Transformer
+
+    fresh = Transformer(service.base.cfg, torch.float32, "cpu", seed=0)
+    load_peft_adapter(fresh, directory)  # the directory alone rebuilds the placement
+    loaded = lora_state_dict(fresh)
+    assert loaded.keys() == tc.adapter.keys()
+    assert all(torch.equal(loaded[k], tc.adapter[k].detach()) for k in loaded)
