@@ -1,16 +1,21 @@
 """Concurrent multi-policy GRPO on one resident base.
 
 Each policy runs its rollout → score → update → export loop through the Tinker API on its own thread. Compute
-phases (sampling, forward/backward, optimizer, export) hold the resident base's lock; scoring (a reward
-function with real latency: a sleep, a subprocess, an environment) does not, so while one policy waits for
-rewards the base runs another policy's compute. The scheduler is that lock handoff: whenever a policy goes idle
-the next ready policy takes the base. Base weights are held once (every policy binds its own adapter into a
-shared placement shell). A policy's results depend only on its own seeds, so running concurrently gives the
-same weights as running alone.
+phases (sampling, forward/backward, optimizer, export) hold the resident base; scoring (a reward function with
+real latency: a sleep, a subprocess, an environment) does not, so while one policy waits for rewards the base
+runs another policy's compute. `PhaseScheduler` hands the base out one whole compute phase at a time, rollouts
+first: interleaving two policies' phases call by call (what the base lock alone would do) makes both reach
+their idle scoring late and then idle together, while run-to-completion with rollouts first starts each idle gap
+as early as possible so another policy's compute fills it. Base weights are held once (every policy binds its
+own adapter into a shared placement shell). A policy's results depend only on its own seeds, so running
+concurrently gives the same weights as running alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,18 +53,52 @@ class PolicyResult:
     exports: list[str] = field(default_factory=list)
 
 
-def run_policy(service, spec: GRPOPolicySpec) -> PolicyResult:
+class PhaseScheduler:
+    """Grants the resident base to one policy's compute phase at a time: lowest priority value first, then FIFO."""
+
+    PRIORITY = {"rollout": 0, "update": 1}  # a rollout is followed by idle scoring: start it first
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._waiting: list[tuple[int, int]] = []
+        self._order = itertools.count()
+        self._busy = False
+        self.grants: list[tuple[str, str]] = []  # (policy, phase) in grant order
+
+    @contextlib.contextmanager
+    def turn(self, policy: str, phase: str):
+        """Hold the base for one whole compute phase of `policy`."""
+        ticket = (self.PRIORITY[phase], next(self._order))
+        with self._cond:
+            heapq.heappush(self._waiting, ticket)
+            while self._busy or self._waiting[0] != ticket:
+                self._cond.wait()
+            heapq.heappop(self._waiting)
+            self._busy = True
+            self.grants.append((policy, phase))
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+
+def run_policy(service, spec: GRPOPolicySpec, scheduler: PhaseScheduler | None = None) -> PolicyResult:
     """Rollout / score / update / export for `spec.steps` steps (Tinker cookbook shape: A = r − mean, IS loss)."""
+    turn = scheduler.turn if scheduler is not None else (lambda policy, phase: contextlib.nullcontext())
     tc = service.create_lora_training_client(rank=spec.rank, preset=spec.preset, seed=spec.seed, run_id=spec.name)
     out = PolicyResult(spec.name, {})
     phases = dict.fromkeys(("rollout", "score", "update", "export"), 0.0)
     for step in range(spec.steps):
         t0 = time.perf_counter()
-        sampler = tc.save_weights_and_get_sampling_client()
-        futures = [sampler.sample(ModelInput.from_ints(p), spec.group_size,
-                                  SamplingParams(max_tokens=spec.max_tokens, seed=spec.seed * 100003 + step * 101 + i))
-                   for i, p in enumerate(spec.prompts)]
-        groups = [f.result() for f in futures]
+        with turn(spec.name, "rollout"):
+            sampler = tc.save_weights_and_get_sampling_client()
+            futures = [sampler.sample(ModelInput.from_ints(p), spec.group_size,
+                                      SamplingParams(max_tokens=spec.max_tokens,
+                                                     seed=spec.seed * 100003 + step * 101 + i))
+                       for i, p in enumerate(spec.prompts)]
+            groups = [f.result() for f in futures]
         t1 = time.perf_counter()
         rewards = [[spec.reward_fn(p + s.tokens) for s in g.sequences] for p, g in zip(spec.prompts, groups)]
         t2 = time.perf_counter()
@@ -71,11 +110,12 @@ def run_policy(service, spec: GRPOPolicySpec) -> PolicyResult:
                 data.append(Datum(ModelInput.from_ints(toks[:-1]),
                                   {"target_tokens": toks[1:], "logprobs": [0.0] * ob + seq.logprobs,
                                    "advantages": [0.0] * ob + [r - mean] * len(seq.tokens)}))
-        fb = tc.forward_backward(data, "importance_sampling")
-        opt = tc.optim_step(AdamParams(learning_rate=spec.lr))
-        fb.result(), opt.result()
-        t3 = time.perf_counter()
-        out.exports.append(tc.save_weights_for_sampler(f"step-{step + 1}").result().path)
+        with turn(spec.name, "update"):
+            fb = tc.forward_backward(data, "importance_sampling")
+            opt = tc.optim_step(AdamParams(learning_rate=spec.lr))
+            fb.result(), opt.result()
+            t3 = time.perf_counter()
+            out.exports.append(tc.save_weights_for_sampler(f"step-{step + 1}").result().path)
         t4 = time.perf_counter()
         out.rewards.append(sum(map(sum, rewards)) / sum(map(len, rewards)))
         for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
@@ -92,14 +132,16 @@ def run_sequential(service, specs: list[GRPOPolicySpec]) -> tuple[list[PolicyRes
     return results, time.perf_counter() - t0
 
 
-def run_concurrent(service, specs: list[GRPOPolicySpec]) -> tuple[list[PolicyResult], float]:
+def run_concurrent(service, specs: list[GRPOPolicySpec], scheduler: PhaseScheduler | None = None
+                   ) -> tuple[list[PolicyResult], float]:
     """All policies interleaved on the one resident base -> (results in spec order, makespan seconds)."""
     results: list[PolicyResult | None] = [None] * len(specs)
     errors: list[BaseException] = []
+    scheduler = scheduler or PhaseScheduler()
 
     def work(i: int) -> None:
         try:
-            results[i] = run_policy(service, specs[i])
+            results[i] = run_policy(service, specs[i], scheduler)
         except BaseException as exc:  # re-raised below with the policy named
             errors.append(RuntimeError(f"policy {specs[i].name!r} failed: {exc!r}"))
 

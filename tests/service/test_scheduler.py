@@ -29,3 +29,39 @@ def test_concurrent_equals_alone(resident, tmp_path):
     # the policies really trained and differ from each other
     k = next(k for k in alone[0].adapter if k.endswith("lora_B.weight"))
     assert alone[0].adapter[k].abs().sum() > 0 and not torch.equal(alone[0].adapter[k], alone[1].adapter[k])
+
+
+def test_phase_scheduler_runs_one_phase_at_a_time_rollouts_first():
+    """While the base is busy, waiting rollouts are granted before waiting updates; phases never overlap."""
+    import threading
+
+    from dsv4flash.service.scheduler import PhaseScheduler
+
+    sched = PhaseScheduler()
+    active, overlaps = [], []
+    release = threading.Event()
+
+    def phase(policy, kind, hold=None):
+        with sched.turn(policy, kind):
+            active.append(policy)
+            if len(active) > 1:
+                overlaps.append(tuple(active))
+            if hold is not None:
+                hold.wait(5)
+            time.sleep(0.01)
+            active.remove(policy)
+
+    first = threading.Thread(target=phase, args=("a", "update", release))
+    first.start()
+    while not sched.grants:
+        time.sleep(0.001)
+    waiters = [threading.Thread(target=phase, args=(p, k)) for p, k in
+               (("b", "update"), ("c", "rollout"), ("d", "update"), ("e", "rollout"))]
+    for t in waiters:
+        t.start()
+        time.sleep(0.02)  # arrival order b, c, d, e
+    release.set()
+    for t in [first, *waiters]:
+        t.join()
+    assert sched.grants == [("a", "update"), ("c", "rollout"), ("e", "rollout"), ("b", "update"), ("d", "update")]
+    assert overlaps == []
