@@ -134,3 +134,21 @@ class RestClient:
                 save_peft_adapter(shell, None, target, base_model_name_or_path=self.service.base.base_model)
         return CheckpointArchiveUrlResponse(target.resolve().as_uri(),
                                             _when(self.service.checkpoints.get(path)["expires_at"]))
+
+
+def _async_twin(name: str):
+    """`<name>_async`: the same future, from a coroutine (Tinker's double-await pattern)."""
+
+    async def twin(self, *args, **kwargs) -> APIFuture:
+        return getattr(self, name)(*args, **kwargs)
+
+    twin.__name__ = f"{name}_async"
+    twin.__doc__ = f"Async twin of `{name}`."
+    return twin
+
+
+for _name in ("list_training_runs", "get_training_run", "get_training_run_by_tinker_path", "list_checkpoints",
+              "list_user_checkpoints", "delete_checkpoint", "delete_checkpoint_from_tinker_path",
+              "publish_checkpoint_from_tinker_path", "unpublish_checkpoint_from_tinker_path",
+              "set_checkpoint_ttl_from_tinker_path", "get_checkpoint_archive_url_from_tinker_path"):
+    setattr(RestClient, f"{_name}_async", _async_twin(_name))

@@ -114,3 +114,17 @@ def test_archive_url_is_a_peft_directory_of_the_checkpoint(service):
     loaded = lora_state_dict(fresh)
     assert loaded.keys() == tc.adapter.keys()
     assert all(torch.equal(loaded[k], tc.adapter[k].detach()) for k in loaded)
+
+
+def test_async_twins_double_await(service):
+    import asyncio
+
+    tc = _train(service)
+    tc.save_state("a").result()
+    rest = service.create_rest_client()
+
+    async def main():
+        fut = await rest.list_checkpoints_async(tc.run_id)
+        return await fut.result_async()
+
+    assert [c.checkpoint_id for c in asyncio.run(main()).checkpoints] == ["weights/a"]
