@@ -59,6 +59,19 @@ def _factor(shape: tuple[int, ...], dtype: torch.dtype, device, generator: torch
     return nn.Parameter(t)
 
 
+def _linear_with_lora(module, x: torch.Tensor, batch_factor) -> torch.Tensor:
+    """Base linear + the module's low-rank delta; under an adapter batch, each adapter's delta on its own rows
+    (one base op for all of them). `batch_factor(batch, index, "lora_A"|"lora_B")` finds an adapter's factor."""
+    out = F.linear(x, module.weight, module.bias)
+    batch = active_batch()
+    if batch is not None:
+        return batch.add_deltas(x, out, lambda i, rows: lora_forward(
+            rows, batch_factor(batch, i, "lora_A"), batch_factor(batch, i, "lora_B"), module.scaling,
+            module.lora_dropout, module.training))
+    return out + lora_forward(x, module.lora_A, module.lora_B, module.scaling, module.lora_dropout,
+                              module.training).to(out.dtype)
+
+
 class LoraLinear(nn.Linear, LoraModule):
     """y = x·Wᵀ + b + scaling · B·A·dropout(x), W and b shared with (and frozen like) the base Linear."""
 
@@ -76,14 +89,7 @@ class LoraLinear(nn.Linear, LoraModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] in the base output dtype."""
-        out = F.linear(x, self.weight, self.bias)
-        batch = active_batch()
-        if batch is not None:  # one base op for every adapter's rows, then each adapter's delta on its own
-            return batch.add_deltas(x, out, lambda i, rows: lora_forward(
-                rows, batch.factor(i, self, "lora_A"), batch.factor(i, self, "lora_B"), self.scaling,
-                self.lora_dropout, self.training))
-        return out + lora_forward(x, self.lora_A, self.lora_B, self.scaling, self.lora_dropout,
-                                  self.training).to(out.dtype)
+        return _linear_with_lora(self, x, lambda batch, i, name: batch.factor(i, self, name))
 
     def delta_weight(self) -> torch.Tensor:
         """ΔW [out, in] (fp32)."""
@@ -189,15 +195,8 @@ class ExpertLoraLinear(nn.Linear, LoraModule):
         return t[self.expert] if t.dim() == 3 else t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]."""
-        out = F.linear(x, self.weight, self.bias)
-        batch = active_batch()
-        if batch is not None:  # rows arrive grouped by adapter: the caller sets `batch.rows(...)`
-            return batch.add_deltas(x, out, lambda i, rows: lora_forward(
-                rows, self._batch_factor(batch, i, "lora_A"), self._batch_factor(batch, i, "lora_B"), self.scaling,
-                self.lora_dropout, self.training))
-        return out + lora_forward(x, self.lora_A, self.lora_B, self.scaling, self.lora_dropout,
-                                  self.training).to(out.dtype)
+        """x [T, in] -> [T, out]; under an adapter batch the caller groups rows by adapter (`batch.rows`)."""
+        return _linear_with_lora(self, x, self._batch_factor)
 
     def delta_weight(self) -> torch.Tensor:
         """ΔW_e [out, in] (fp32)."""
