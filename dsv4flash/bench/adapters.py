@@ -156,7 +156,6 @@ def bench_load(args, work: Path, report: BenchReport) -> None:
     t_packed_st = _median_time(packed_safetensors, args.repeats)
     t_per_expert = _median_time(per_expert, max(1, args.repeats // 2))
     t_per_expert_scatter = _median_time(per_expert_scatter, max(1, args.repeats // 2))
-    del flat_src, flat_dst
     report.add("load.bytes", nbytes, "B", note=f"{args.layers}L × {args.experts}E × w1/w2/w3, rank {args.rank}, BF16")
     report.add("load.tensors_per_expert", n_per_expert, "tensors")
     report.add("load.tensors_packed", n_packed, "tensors", baseline="load.tensors_per_expert")

@@ -18,7 +18,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dsv4flash.study.stats import eval_every_for, plateau_loss, plateau_steps
 from dsv4flash.study.tables import write_json

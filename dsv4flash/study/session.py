@@ -66,7 +66,6 @@ def adapter_seed(adapter: str | Path) -> int | None:
 def open_session(overrides: Sequence[str] = (), seed: int | None = None, log=print) -> Session:
     """Compose the train config (default data: geometry), build/locate its base, build the mixture."""
     from dsv4flash.config import load_config
-    from dsv4flash.engine import model_io
     from dsv4flash.tasks import Encoder, TaskMixture, TaskTokenizer, build_task
     from dsv4flash.train.base_cache import ensure_base
     from dsv4flash.train.compose import compose, to_train_config

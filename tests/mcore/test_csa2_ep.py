@@ -50,20 +50,7 @@ def _ep_rank(rank: int, world_size: int, expected_path: str) -> None:
 
 
 def test_two_rank_expert_parallel_equals_single_device(tmp_path):
-    from dsv4flash.integrations.mcore.csa2 import name_map
-
     with sup.single_thread():
-        ref = sup.reference(seed=0)
-        ids = sup.token_ids(2, 32, seed=81)
-        weights = sup.probe((2, 32, sup.VOCAB), seed=82)
-        logits = ref(ids)
-        (logits * weights).sum().backward()
-        params = dict(ref.named_parameters())
-        grads = {}
-        for pair in name_map(ref.cfg):
-            parts = [params[n].grad if n in params else None for n in pair.reference]
-            if all(p is not None for p in parts):
-                grads[pair.megatron] = torch.cat(parts) if len(parts) > 1 else parts[0]
         path = tmp_path / "expected.pt"
-        torch.save({"ids": ids, "weights": weights, "logits": logits.detach(), "grads": grads}, path)
+        sup.save_reference_expectation(path, ids_seed=81, probe_seed=82)
         parallel.spawn_gloo(_ep_rank, 2, str(path))

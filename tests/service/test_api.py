@@ -1,7 +1,6 @@
 """Futures order, losses, save/load state (with optimizer) and checkpoint paths."""
 
 import threading
-import time
 
 import pytest
 import torch

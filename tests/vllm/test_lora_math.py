@@ -105,7 +105,7 @@ def test_o_proj_from_vllm_layout_equals_reference_wo_a(forward_records, layer):
 
 def test_two_adapters_in_one_batch_never_mix(forward_records):
     """Per-token slots: every token gets exactly its own adapter's output (or the base for slot -1)."""
-    (m1, r1), (m2, r2) = forward_records[11], forward_records[12]
+    (m1, r1), (m2, _) = forward_records[11], forward_records[12]
     w1, w2 = m1.layers[2].attn.wo_a, m2.layers[2].attn.wo_a
     o = r1["2.wo_a"][0][0]  # [S, G, in_g]
     slots = torch.tensor([0, 1, -1, 1, 0, 0, -1, 1] * 3)

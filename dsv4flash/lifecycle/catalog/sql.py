@@ -131,7 +131,7 @@ class SQLCatalog(ServiceStateSQL, Catalog):
         return self._rev(row) if row else None
 
     def _policy_row(self, cur, name: str, *, lock: bool):
-        row = self._x(cur, f"SELECT name, base, base_summary, head, created, updated, meta FROM policies WHERE name = ?"
+        row = self._x(cur, "SELECT name, base, base_summary, head, created, updated, meta FROM policies WHERE name = ?"
                       + (self.for_update if lock else ""), (name,)).fetchone()
         if row is None:
             raise PolicyNotFoundError(f"no policy named {name!r} in catalog {self.url}")
