@@ -11,3 +11,13 @@
 The upstream form of each lives in `patches/verl/` under the same Patch-Id. Importing these modules never
 imports veRL; `install()` does.
 """
+
+import functools
+
+from dsv4flash._patching import runtime_patch
+
+
+# What every veRL 0.9.1 twin shares: target, version window, upstream status, when to remove it.
+verl_twin = functools.partial(runtime_patch, target="verl-project/verl", distribution="verl",
+                              versions=">=0.9.1,<0.10.0", upstream_status="Pending", forwarded="no",
+                              remove_when="verl>=0.10.0")

@@ -15,7 +15,8 @@ a `.base_layer.` parameter. `resolve_weight_name` in the rollout worker and the 
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = (
     "verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension._update_weights",
@@ -30,15 +31,9 @@ def upstream_probes_loader() -> bool:
     return hasattr(utils, "probe_loader_naming")
 
 
-@runtime_patch(
+@verl_twin(
     patch_id="DSV41-VERL-003",
-    target="verl-project/verl",
-    distribution="verl",
-    versions=">=0.9.1,<0.10.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="verl>=0.10.0",
     gate="DSV4FLASH_VERL_BASE_LAYER_NAMING",
     tests=("tests/verl/test_weight_names.py",),
     upstream_has_it=upstream_probes_loader,

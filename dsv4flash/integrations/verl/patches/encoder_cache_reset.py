@@ -12,7 +12,8 @@ that wakes the engine (HYBRID, COLOCATED). Recomputing embeddings once per sync 
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = ("verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer.wake_up",)
 
@@ -26,15 +27,9 @@ def upstream_resets_encoder_cache() -> bool:
     return "reset_encoder_cache" in inspect.getsource(vLLMHttpServer.wake_up)
 
 
-@runtime_patch(
+@verl_twin(
     patch_id="DSV41-VERL-005",
-    target="verl-project/verl",
-    distribution="verl",
-    versions=">=0.9.1,<0.10.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="verl>=0.10.0",
     gate="DSV4FLASH_VERL_ENCODER_CACHE_RESET",
     tests=("tests/verl/test_encoder_cache_reset.py",),
     upstream_has_it=upstream_resets_encoder_cache,

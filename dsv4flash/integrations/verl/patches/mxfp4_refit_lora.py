@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import types
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = (
     "verl.utils.vllm.vllm_fp4_utils._is_mxfp4_fused_moe_module",
@@ -63,15 +64,9 @@ def _stage(fp4, mxfp4_quant_method):
     return stage_mxfp4_moe_params_for_loading
 
 
-@runtime_patch(
+@verl_twin(
     patch_id="DSV41-VERL-002",
-    target="verl-project/verl",
-    distribution="verl",
-    versions=">=0.9.1,<0.10.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="verl>=0.10.0",
     gate="DSV4FLASH_VERL_MXFP4_REFIT_LORA",
     tests=("tests/verl/test_mxfp4_refit.py",),
     upstream_has_it=upstream_unwraps_lora,

@@ -18,7 +18,8 @@ keys behave exactly as before.
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = (
     "verl.utils.megatron.router_replay_utils.align_r3_router_replay_data",
@@ -36,15 +37,9 @@ def upstream_replays_text_only() -> bool:
     return "r3_row_map" in inspect.getsource(router_replay_utils)
 
 
-@runtime_patch(
+@verl_twin(
     patch_id="DSV41-VERL-004",
-    target="verl-project/verl",
-    distribution="verl",
-    versions=">=0.9.1,<0.10.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="verl>=0.10.0",
     gate="DSV4FLASH_VERL_R3_TEXT_ONLY",
     tests=("tests/verl/test_r3_megatron.py",),
     upstream_has_it=upstream_replays_text_only,

@@ -17,7 +17,8 @@ the rename mapper, the model's skip prefixes, local experts only, the 3-D flag (
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = ("verl.utils.vllm.utils.VLLMHijack.hijack",)
 
@@ -31,15 +32,9 @@ def upstream_loader_handles_vllm_033() -> bool:
     return "get_rename_mapper" in inspect.getsource(utils)
 
 
-@runtime_patch(
+@verl_twin(
     patch_id="DSV41-VERL-001",
-    target="verl-project/verl",
-    distribution="verl",
-    versions=">=0.9.1,<0.10.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="verl>=0.10.0",
     gate="DSV4FLASH_VERL_TENSOR_LORA_LOADER",
     tests=("tests/verl/test_adapter_loader.py",),
     upstream_has_it=upstream_loader_handles_vllm_033,

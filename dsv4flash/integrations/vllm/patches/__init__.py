@@ -9,3 +9,13 @@
 Each registers with `dsv4flash._patching.runtime_patch`; the upstream form of each lives in `patches/vllm/`
 under the same Patch-Id. Importing these modules never imports vLLM; `install()` does.
 """
+
+import functools
+
+from dsv4flash._patching import runtime_patch
+
+
+# What every vLLM 0.33 twin shares: target, version window, upstream status, when to remove it.
+vllm_twin = functools.partial(runtime_patch, target="vllm-project/vllm", distribution="vllm",
+                              versions=">=0.33.0,<0.34.0", upstream_status="Pending", forwarded="no",
+                              remove_when="vllm>=0.34.0")

@@ -15,7 +15,8 @@ adds that delta to the fp32 `kv_score` it returns, before pooling and quantisati
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.vllm.patches import vllm_twin
 
 TOUCHES = (
     "vllm.lora.utils._all_lora_classes",
@@ -46,15 +47,9 @@ def make_input_projections(original):
     return _run_parallel_input_projections
 
 
-@runtime_patch(
+@vllm_twin(
     patch_id="DSV41-VLLM-003",
-    target="vllm-project/vllm",
-    distribution="vllm",
-    versions=">=0.33.0,<0.34.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="vllm>=0.34.0",
     gate="DSV4FLASH_VLLM_COMPRESSOR_LORA",
     tests=("tests/vllm/test_compressor_lora.py",),
     depends_on=("DSV41-VLLM-002",),

@@ -17,7 +17,8 @@ falls back to FlashMLA) and refuses an explicit selection.
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.vllm.patches import vllm_twin
 
 TOUCHES = (
     "vllm.lora.utils._all_lora_classes",
@@ -82,15 +83,9 @@ def _mega_attn_methods(cls):
     return classmethod(is_available_for), __init__
 
 
-@runtime_patch(
+@vllm_twin(
     patch_id="DSV41-VLLM-002",
-    target="vllm-project/vllm",
-    distribution="vllm",
-    versions=">=0.33.0,<0.34.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="vllm>=0.34.0",
     gate="DSV4FLASH_VLLM_WO_A_LORA",
     tests=("tests/vllm/test_grouped_wo_a.py",),
     upstream_has_it=upstream_has_grouped_wo_a_lora,

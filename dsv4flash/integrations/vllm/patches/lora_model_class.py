@@ -16,7 +16,8 @@ adapter around its encode (the DP-sharded ViT path is bypassed while tower LoRA 
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.vllm.patches import vllm_twin
 
 ARCH = "DeepseekV41ForCausalLM"
 CLASS_PATH = "dsv4flash.integrations.vllm.model:DeepseekV41ForCausalLMWithLoRA"
@@ -36,15 +37,9 @@ class _Models(dict):
     """The registry's arch -> model table (a dict subclass so the patch marker can be attached)."""
 
 
-@runtime_patch(
+@vllm_twin(
     patch_id="DSV41-VLLM-001",
-    target="vllm-project/vllm",
-    distribution="vllm",
-    versions=">=0.33.0,<0.34.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="vllm>=0.34.0",
     gate="DSV4FLASH_VLLM_LORA_MODEL",
     tests=("tests/vllm/test_model_class.py",),
     upstream_has_it=upstream_declares_lora,
