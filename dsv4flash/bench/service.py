@@ -195,6 +195,7 @@ def _plot(shared, grpo, path: str, title: str) -> None:
         axes[1].bar(["seq makespan", "conc makespan"], grpo["makespan"], color=["#888", "#2a7"])
         ax2 = axes[1].twinx()
         ax2.plot(["seq makespan", "conc makespan"], grpo["rss"], "ks--", label="peak RSS (MiB)")
+        ax2.set_ylim(0, 1.2 * max(grpo["rss"]))  # from zero: "flat memory" is the point
         axes[1].set_ylabel("s")
         ax2.set_ylabel("MiB")
         ax2.legend(loc="lower right")
