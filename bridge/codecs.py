@@ -16,8 +16,9 @@ reproduces exactly keeps it, so re-encoding a decoded tensor returns its origina
 the guarantees and why they hold.
 
 Every function works on row chunks of about `_CHUNK_ELEMS` elements (whole 32-row block rows for dense), so
-the few passes per chunk stay in L2 and the temporaries stay bounded whatever the tensor size; within a chunk
-everything is vectorised over elements and blocks.
+the temporaries stay bounded (≈ 12 MiB) whatever the tensor size; within a chunk everything is vectorised over
+elements and blocks. 2^20 elements measured fastest on the 2-core VM (2^17: 0.22× memcpy for BF16 MXFP4 decode,
+2^20: 0.35×): per-chunk dispatch overhead outweighs the L2 locality of smaller chunks.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ BLOCK = 32
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 _E4M3, _E8M0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
-_CHUNK_ELEMS = 1 << 17
+_CHUNK_ELEMS = 1 << 20
 # Largest scale byte with qmax·2^(b-127) finite in fp32/bf16 (448 = 1.75·2^8, 6 = 1.5·2^2).
 _SAFE_BYTE = {E4M3_MAX: 246, E2M1_MAX: 252}
 _E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
