@@ -302,10 +302,9 @@ class DSV41FlashConfig:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write `config.json` atomically (temp file, then rename)."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, path)
+        from dsv4flash.atomic_io import write_bytes_atomic
+
+        write_bytes_atomic(path, self.to_json().encode())
 
     def replace_text(self, **changes: Any) -> "DSV41FlashConfig":
         """A copy with some `text_config` fields changed (validated again)."""

@@ -7,23 +7,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dsv4flash.atomic_io import write_bytes_atomic
+
 
 def write_json(path: str | os.PathLike, data: Any) -> Path:
     """Write JSON atomically."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_bytes_atomic(path, (json.dumps(data, indent=1, sort_keys=True, default=str) + "\n").encode())
 
 
 def write_history(path: str | os.PathLike, history: list[dict[str, Any]]) -> Path:
     """All step records as JSON lines (rewritten whole, atomically)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in history))
-    os.replace(tmp, path)
-    return path
+    return write_bytes_atomic(path, "".join(json.dumps(row, sort_keys=True) + "\n" for row in history).encode())
 
 
 def plot_curves(history: list[dict[str, Any]], path: str | os.PathLike, title: str) -> Path | None:

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
+from dsv4flash.atomic_io import write_bytes_atomic
 from dsv4flash.config import DSV41FlashConfig, load_config
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -96,9 +97,7 @@ class TaskTokenizer:
         path = Path(directory) / "tokenizer.json"
         data = {"kind": "dsv4flash-task-words", "first_symbol_id": FIRST_SYMBOL_ID, "symbols": list(self.symbols),
                 "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id, "image_id": self.image_id}
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, path)
+        write_bytes_atomic(path, (json.dumps(data, indent=1) + "\n").encode())
 
     @classmethod
     def load(cls, directory: str | os.PathLike, cfg: DSV41FlashConfig | str = "tiny") -> "TaskTokenizer":
