@@ -14,7 +14,6 @@ per adapter.
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -31,9 +30,7 @@ def tile(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 def tile_state(state: CSA2State, n: int) -> CSA2State:
     """The CSA2 state with every tensor field tiled n times along the batch."""
-    changes = {f.name: tile(getattr(state, f.name), n) for f in dataclasses.fields(state)
-               if isinstance(getattr(state, f.name), torch.Tensor)}
-    return state.publish(**changes)
+    return CSA2State.from_parts([tile(t, n) for t in state.tensors()], state.meta())
 
 
 def tile_context(context: TokenContext, n: int) -> TokenContext:

@@ -79,8 +79,7 @@ class ServiceClient:
         """Sample from a saved checkpoint, or from the bare base when only `base_model` is given."""
         if model_path is None:
             return SamplingClient(self, None, None, "base")
-        tensors, _ = self._read_checkpoint(model_path, False)
-        pc = self._placement_of(model_path)
+        tensors, _, pc = self._read_checkpoint(model_path, False)
         return SamplingClient(self, pc, tensors, ParsedCheckpointTinkerPath.from_tinker_path(model_path).checkpoint_id)
 
     def create_rest_client(self):
@@ -167,23 +166,23 @@ class ServiceClient:
     def _sampling_client(self, placement, adapter, name) -> SamplingClient:
         return SamplingClient(self, placement, adapter, name)
 
-    def _placement_of(self, path: str) -> PlacementConfig:
-        rec = self.require_checkpoint(path)
-        manifest = self.store.load(rec.id).manifest
-        return PlacementConfig.from_dict(dict(manifest.extra["placement"]))
-
     def _read_checkpoint(self, path: str, with_state: bool):
+        """(adapter tensors, trainer state or None, placement) of a checkpoint, from one read of its revision."""
+        from dsv4flash.lifecycle.revision import decode_adapter
+
         parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
         rec = self.require_checkpoint(path)
-        tensors = dict(self.store.load_adapter(rec.id, resident_base=self.fingerprint()))
+        loaded = self.store.load(rec.id, resident_base=self.fingerprint())
+        tensors = dict(decode_adapter(loaded.tensors, loaded.manifest, source=f"checkpoint {path}"))
+        placement = PlacementConfig.from_dict(dict(loaded.manifest.extra["placement"]))
         state = None
         if with_state:
             _, blob = self.store.trainer_state(parsed.training_run_id, rec.id)
             state = torch.load(io.BytesIO(blob), weights_only=False) if blob is not None else None
-        return tensors, state
+        return tensors, state, placement
 
     def _from_state(self, path: str, with_optimizer: bool) -> TrainingClient:
-        pc = self._placement_of(path)
+        pc = self._read_checkpoint(path, False)[2]
         client = self.create_lora_training_client(rank=pc.rank, **{k: v for k, v in pc.to_dict().items()
                                                                    if k not in ("rank", "include_from_preset")})
         (client.load_state_with_optimizer if with_optimizer else client.load_state)(path).result()

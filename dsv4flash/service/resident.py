@@ -23,6 +23,11 @@ from dsv4flash.lora import apply_lora, lora_parameters
 from dsv4flash.lora.state import canonical_key
 
 
+def placement_key(placement: PlacementConfig) -> str:
+    """The identity of a placement: one shell (and one adapter layout) per distinct key."""
+    return json.dumps(placement.to_dict(), sort_keys=True, default=str)
+
+
 class ResidentBase:
     """Base weights held once (`base_model`: a config name/path; `base_dir`: a local-engine base checkpoint)."""
 
@@ -46,7 +51,7 @@ class ResidentBase:
 
     def shell(self, placement: PlacementConfig) -> nn.Module:
         """The LoRA-wrapped model for `placement`, sharing every base tensor with the resident model."""
-        key = json.dumps(placement.to_dict(), sort_keys=True, default=str)
+        key = placement_key(placement)
         with self.lock:
             if key not in self._shells:
                 shell = self._share_base()
@@ -75,14 +80,13 @@ class ResidentBase:
     def adapter_slots(self, placement: PlacementConfig) -> dict[str, tuple[nn.Module, str]]:
         """Canonical adapter key -> (module, factor name) in `placement`'s shell (where `bind` plugs tensors)."""
         self.shell(placement)
-        return dict(self._slots[json.dumps(placement.to_dict(), sort_keys=True, default=str)])
+        return dict(self._slots[placement_key(placement)])
 
     @contextmanager
     def bind(self, placement: PlacementConfig, adapter: dict[str, torch.Tensor]):
         """Hold the base and run the shell with `adapter`'s tensors plugged in (no copy)."""
         shell = self.shell(placement)
-        key = json.dumps(placement.to_dict(), sort_keys=True, default=str)
-        slots = self._slots[key]
+        slots = self._slots[placement_key(placement)]
         if set(adapter) != set(slots):
             missing, extra = sorted(set(slots) - set(adapter)), sorted(set(adapter) - set(slots))
             raise KeyError(f"adapter does not match placement {placement.preset!r} rank {placement.rank}: "

@@ -14,9 +14,6 @@ from dsv4flash.service.futures import APIFuture, OrderedExecutor
 from dsv4flash.service.types import (Checkpoint, CheckpointArchiveUrlResponse, CheckpointsListResponse, Cursor,
                                      ParsedCheckpointTinkerPath, TrainingRun, TrainingRunsResponse)
 
-_KIND_OF_TAG = {"weights": "training", "sampler_weights": "sampler"}
-
-
 def _when(ts: float | None) -> datetime | None:
     return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc)
 
@@ -74,32 +71,25 @@ class RestClient:
         """A `file://` URL of the checkpoint exported as a PEFT directory (written once, atomically)."""
         return self._exec.submit(self._archive, tinker_path)
 
-    # ---- work ----
-    def _checkpoint(self, run_id: str, tag: str, rev) -> Checkpoint:
-        kind, _, name = tag.partition(".")
-        path = f"tinker://{run_id}/{kind}/{name}"
-        entry = self.service.checkpoints.get(path)
-        return Checkpoint(f"{kind}/{name}", _KIND_OF_TAG[kind], _when(rev.created), path, int(rev.nbytes),
-                          bool(entry["public"]), _when(entry["expires_at"]))
-
-    def _list_checkpoints(self, run_id: str) -> CheckpointsListResponse:
-        self.service.expire_checkpoints()
+    # ---- work (public listings expire first, once per call; the helpers below never do) ----
+    def _checkpoints_of(self, run_id: str) -> list[Checkpoint]:
+        """A run's checkpoints, newest first."""
         catalog = self.service.store.catalog
-        out = [self._checkpoint(run_id, tag, catalog.lookup(rev_id)) for tag, rev_id in catalog.tags(run_id).items()
-               if tag.partition(".")[0] in _KIND_OF_TAG]
+        out = []
+        for tag, rev_id in catalog.tags(run_id).items():
+            kind, _, name = tag.partition(".")
+            if kind not in ("weights", "sampler_weights"):
+                continue  # a tag set through the lifecycle API, not a Tinker checkpoint
+            path = ParsedCheckpointTinkerPath.from_tinker_path(f"tinker://{run_id}/{kind}/{name}")
+            rev, entry = catalog.lookup(rev_id), self.service.checkpoints.get(path.tinker_path)
+            out.append(Checkpoint(f"{kind}/{name}", path.checkpoint_type, _when(rev.created), path.tinker_path,
+                                  int(rev.nbytes), bool(entry["public"]), _when(entry["expires_at"])))
         out.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)
-        return CheckpointsListResponse(out, Cursor(0, len(out), len(out)))
+        return out
 
-    def _list_user_checkpoints(self, limit: int, offset: int) -> CheckpointsListResponse:
-        every = []
-        for run_id in self.service.store.catalog.list_policies():
-            every += self._list_checkpoints(run_id).checkpoints
-        every.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)
-        return CheckpointsListResponse(every[offset:offset + limit], Cursor(offset, limit, len(every)))
-
-    def _run(self, run_id: str) -> TrainingRun:
+    def _training_run(self, run_id: str) -> TrainingRun:
         record = self.service.store.catalog.policy(run_id)  # PolicyNotFoundError names the run
-        checkpoints = self._list_checkpoints(run_id).checkpoints
+        checkpoints = self._checkpoints_of(run_id)
         meta = dict(record.meta or {})
         info = dict(meta.get("dsv4flash_service") or {})
         last = next((c for c in checkpoints if c.checkpoint_type == "training"), None)
@@ -108,8 +98,24 @@ class RestClient:
                            info.get("lora_rank"), _when(record.updated), last, last_sampler,
                            meta.get("user_metadata"))
 
+    def _list_checkpoints(self, run_id: str) -> CheckpointsListResponse:
+        self.service.expire_checkpoints()
+        out = self._checkpoints_of(run_id)
+        return CheckpointsListResponse(out, Cursor(0, len(out), len(out)))
+
+    def _list_user_checkpoints(self, limit: int, offset: int) -> CheckpointsListResponse:
+        self.service.expire_checkpoints()
+        every = [c for run_id in self.service.store.catalog.list_policies() for c in self._checkpoints_of(run_id)]
+        every.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)
+        return CheckpointsListResponse(every[offset:offset + limit], Cursor(offset, limit, len(every)))
+
+    def _run(self, run_id: str) -> TrainingRun:
+        self.service.expire_checkpoints()
+        return self._training_run(run_id)
+
     def _list_runs(self, limit: int, offset: int) -> TrainingRunsResponse:
-        runs = [self._run(name) for name in self.service.store.catalog.list_policies()]
+        self.service.expire_checkpoints()
+        runs = [self._training_run(name) for name in self.service.store.catalog.list_policies()]
         runs.sort(key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
         return TrainingRunsResponse(runs[offset:offset + limit], Cursor(offset, limit, len(runs)))
 
@@ -129,8 +135,8 @@ class RestClient:
         # keyed by revision: a name saved again with overwrite=True gets a fresh archive
         target = self.service.root / "service" / "archives" / parsed.training_run_id / f"{parsed.tag}.{rev.id[:16]}"
         if not target.exists():
-            tensors, _ = self.service._read_checkpoint(path, False)
-            with self.service.base.bind(self.service._placement_of(path), tensors) as shell:
+            tensors, _, placement = self.service._read_checkpoint(path, False)
+            with self.service.base.bind(placement, tensors) as shell:
                 save_peft_adapter(shell, None, target, base_model_name_or_path=self.service.base.base_model)
         return CheckpointArchiveUrlResponse(target.resolve().as_uri(),
                                             _when(self.service.checkpoints.get(path)["expires_at"]))

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4flash.model.state import CSA2State
+from dsv4flash.service.resident import placement_key
 
 
 def sharing_refusal(resident, placement) -> str | None:
@@ -108,12 +109,6 @@ def _shared_prefix(model, memo: dict):
             owner.__dict__.pop(method, None)
 
 
-def _placement_key(placement) -> str:
-    import json
-
-    return json.dumps(placement.to_dict(), sort_keys=True, default=str)
-
-
 @torch.no_grad()
 def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple], share: bool = True,
                          exact: bool = True) -> MultiAdapterResult:
@@ -144,7 +139,7 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
         groups: dict[str, list[int]] = {}
         if not exact:
             for i in result.shared:
-                groups.setdefault(_placement_key(adapters[i][0]), []).append(i)
+                groups.setdefault(placement_key(adapters[i][0]), []).append(i)
         for members in groups.values():
             if len(members) < 2:
                 continue

@@ -202,7 +202,7 @@ class TrainingClient:
         return response(path)
 
     def _load(self, path: str, with_optimizer: bool) -> LoadWeightsResponse:
-        tensors, state = self.service._read_checkpoint(path, with_optimizer)
+        tensors, state, _ = self.service._read_checkpoint(path, with_optimizer)
         if set(tensors) != set(self.adapter):
             raise KeyError(f"{path}: adapter tensors do not match this run's placement "
                            f"({self.placement.preset!r}, rank {self.placement.rank})")
