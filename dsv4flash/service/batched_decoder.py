@@ -14,6 +14,7 @@ per adapter.
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -40,22 +41,22 @@ def tile_context(context: TokenContext, n: int) -> TokenContext:
 
 
 @contextmanager
-def _instance_forward(module, forward):
-    """`module.forward = forward` for the block (an instance attribute: the class stays untouched)."""
-    module.forward = forward
+def instance_override(owner, method: str, fn):
+    """`owner.<method> = fn` for the block (an instance attribute: the class and other instances stay untouched)."""
+    setattr(owner, method, fn)
     try:
         yield
     finally:
-        del module.forward
+        owner.__dict__.pop(method, None)
 
 
-def _source_compressor_once(compressor, n: int, reuse: dict):
+def _source_compressor_once(compressor, n: int, stats: Counter):
     """Layer decoder_start's compressor: identical chunks (frozen KV write) are compressed once and tiled."""
 
     def forward(x):  # x [n·B, S, D]
         chunks = x.reshape(n, x.shape[0] // n, *x.shape[1:])
         if all(torch.equal(chunks[0], chunks[i]) for i in range(1, n)):
-            reuse["hits"] = reuse.get("hits", 0) + n - 1
+            stats["compressor"] += n - 1
             return tile(type(compressor).forward(compressor, chunks[0]), n)  # [n·B, T, hd]
         return type(compressor).forward(compressor, x)
 
@@ -84,7 +85,7 @@ def _routed_by_chunk(moe, batch: AdapterBatch, chunk_tokens: int):
 
 
 @torch.no_grad()
-def batched_decoder_logits(model, slots, adapters, encoded, stats: dict) -> list[torch.Tensor]:
+def batched_decoder_logits(model, slots, adapters, encoded, stats: Counter) -> list[torch.Tensor]:
     """Decoder half + head for N adapters in one pass: encoded = (streams, pre_mix, state, context) of the
     shared encoder ([B, …]); adapters: N tensor dicts of `model`'s placement -> N logits [B,S,V] fp32."""
     n = len(adapters)
@@ -96,9 +97,9 @@ def batched_decoder_logits(model, slots, adapters, encoded, stats: dict) -> list
         stack.enter_context(adapter_batch(batch))
         compressor = model.layers[start].attn.compressor
         if compressor is not None:
-            stack.enter_context(_instance_forward(compressor, _source_compressor_once(compressor, n, stats)))
+            stack.enter_context(instance_override(compressor, "forward", _source_compressor_once(compressor, n, stats)))
         for block in model.layers[start:]:
-            stack.enter_context(_instance_forward(block.ffn, _routed_by_chunk(block.ffn, batch, chunk_tokens)))
+            stack.enter_context(instance_override(block.ffn, "forward", _routed_by_chunk(block.ffn, batch, chunk_tokens)))
         out_streams, out_mix, _ = model.run_layers(tile(streams, n), tile(pre_mix, n), tile_state(state, n),
                                                    tile_context(context, n), start, None)
         logits = model.logits(out_streams, out_mix)  # [n·B, S, V]

@@ -11,12 +11,15 @@ separately.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from collections import Counter
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
+from dsv4flash.lora.layers import is_lora_module
 from dsv4flash.model.state import CSA2State
+from dsv4flash.service.batched_decoder import batched_decoder_logits, instance_override
 from dsv4flash.service.resident import placement_key
 
 
@@ -62,16 +65,15 @@ def _same_args(args: tuple, seen: tuple) -> bool:
     return True
 
 
-def _memoize(owner, method: str, memo: dict, stat: str):
+def _memoize(owner, method: str, entries: list, stats: Counter, stat: str):
     """owner.<method>(*args) returns the result of an earlier call with bit-equal args (two entries kept)."""
     original = getattr(type(owner), method)
-    entries = memo.setdefault(id(owner), [])
 
     def call(*args, **kwargs):
         if not kwargs:
             for seen, out in entries:
                 if _same_args(args, seen):
-                    memo[stat] = memo.get(stat, 0) + 1
+                    stats[stat] += 1
                     return out
         out = original(owner, *args, **kwargs)
         entries.insert(0, (args, out))
@@ -82,7 +84,7 @@ def _memoize(owner, method: str, memo: dict, stat: str):
 
 
 @contextmanager
-def _shared_prefix(model, memo: dict):
+def _shared_prefix(model, memo: dict, stats: Counter):
     """Layer decoder_start's work before its first LoRA op is done once for all adapters of the batch.
 
     For a decoder-only adapter with the KV write frozen, the attention-site hyper-connection, `attn_norm`, the
@@ -91,22 +93,18 @@ def _shared_prefix(model, memo: dict):
     """
     block = model.layers[model.cfg.decoder_start]
     attn = block.attn
-    sites = [(block.hc, "forward", "hc_reuses"), (block.attn_norm, "forward", "norm_reuses"),
-             (attn.wkv, "forward", "kv_reuses"), (attn.kv_norm, "forward", "kv_reuses")]
+    sites = [(block.hc, "forward", "hc"), (block.attn_norm, "forward", "norm"),
+             (attn.wkv, "forward", "kv"), (attn.kv_norm, "forward", "kv")]
     if attn.compressor is not None:
-        sites.append((attn.compressor, "forward", "hits"))
+        sites.append((attn.compressor, "forward", "compressor"))
     if attn.indexer is not None and attn.compressor is not None:
-        sites.append((attn.indexer, "index_keys", "index_key_reuses"))
-    from dsv4flash.lora.layers import is_lora_module
-
-    sites = [site for site in sites if not is_lora_module(site[0])]  # an adapted op is never shared
-    try:
+        sites.append((attn.indexer, "index_keys", "index_keys"))
+    with ExitStack() as stack:
         for owner, method, stat in sites:
-            setattr(owner, method, _memoize(owner, method, memo, stat))
+            if not is_lora_module(owner):  # an adapted op is never shared
+                entries = memo.setdefault((id(owner), method), [])  # kept across the adapters of one call
+                stack.enter_context(instance_override(owner, method, _memoize(owner, method, entries, stats, stat)))
         yield
-    finally:
-        for owner, method, _ in sites:
-            owner.__dict__.pop(method, None)
 
 
 @torch.no_grad()
@@ -118,8 +116,6 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
     shared adapters of one placement run their decoder halves as one batched pass (`batched_decoder.py`),
     equal to fp32 rounding only.
     """
-    from dsv4flash.service.batched_decoder import batched_decoder_logits
-
     result = MultiAdapterResult([None] * len(adapters))
     start = resident.cfg.decoder_start
     with resident.lock:
@@ -131,7 +127,8 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
                 else:
                     result.refused[i] = reason
         enc = None
-        cache: dict = {}
+        memo: dict = {}
+        stats: Counter = Counter()  # reuses per shared op
         if result.shared:
             base = resident.model
             streams, pre_mix, ctx = base.embed_inputs(input_ids)  # [B,S,hc,D]
@@ -146,7 +143,7 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
             pc = adapters[members[0]][0]
             with resident.bind(pc, adapters[members[0]][1]) as model:
                 logits = batched_decoder_logits(model, resident.adapter_slots(pc), [adapters[i][1] for i in members],
-                                                enc, cache)
+                                                enc, stats)
             for i, lg in zip(members, logits):
                 result.logits[i] = lg
             result.batched.extend(members)
@@ -156,10 +153,10 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
             with resident.bind(pc, tensors) as model:
                 if i in result.shared:
                     streams, pre_mix, state, ctx = enc
-                    with _shared_prefix(model, cache):
+                    with _shared_prefix(model, memo, stats):
                         streams, pre_mix, _ = model.run_layers(streams, pre_mix, state, ctx, start, None)
                     result.logits[i] = model.logits(streams, pre_mix)  # [B,S,V]
                 else:
                     result.logits[i] = model(input_ids)
-    result.compressor_reuses = cache.get("hits", 0)
+    result.compressor_reuses = stats["compressor"]
     return result
