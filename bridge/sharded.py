@@ -16,7 +16,8 @@ from typing import Mapping
 
 import torch
 
-from dsv4flash_bridge.safetensors_io import SafetensorsError, SafetensorsReader, TensorInfo, fsync_dir
+from dsv4flash.atomic_io import write_bytes_atomic
+from dsv4flash_bridge.safetensors_io import SafetensorsError, SafetensorsReader, TensorInfo
 
 __all__ = ["INDEX_FILE", "SINGLE_FILE", "ShardIndex", "read_index", "write_index", "CheckpointReader"]
 
@@ -62,18 +63,7 @@ def write_index(directory: str | os.PathLike, weight_map: Mapping[str, str], tot
     """Write `model.safetensors.index.json` atomically (temp file, fsync, rename); returns its path."""
     path = Path(directory) / INDEX_FILE
     body = {"metadata": {**(metadata or {}), "total_size": int(total_size)}, "weight_map": dict(weight_map)}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(body, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-    return path
+    return write_bytes_atomic(path, (json.dumps(body, indent=2) + "\n").encode())
 
 
 class CheckpointReader:
