@@ -41,7 +41,10 @@ echo "[install] torch + dsv4flash ($mode)"
 if has_cuda_gpu; then pipi "torch>=2.6"; else pipi "torch==2.13.0"; fi
 if [ "$mode" = "main" ]; then
   pipi -e ".[plot]"
-  [ "${#run_after[@]}" -eq 0 ] || exec "${run_after[@]}"
+  # The test command runs strict: a skip other than "no GPU here" or an opt-in network test fails (tests/conftest.py),
+# so a dependency this script failed to install cannot turn into a quietly skipped test.
+[ "$mode" = test ] && export DSV4FLASH_STRICT_SKIPS=1
+[ "${#run_after[@]}" -eq 0 ] || exec "${run_after[@]}"
   exit 0
 fi
 pipi -e ".[dev]"
@@ -74,4 +77,7 @@ assert torch.version.cuda is None or torch.cuda.is_available(), "a CUDA torch la
 assert importlib.util.find_spec("transformer_engine") is None, "transformer-engine must not be installed on CPU"
 print(f"[install] ok: python {sys.version.split()[0]}, torch {torch.__version__}")
 PY
+# The test command runs strict: a skip other than "no GPU here" or an opt-in network test fails (tests/conftest.py),
+# so a dependency this script failed to install cannot turn into a quietly skipped test.
+[ "$mode" = test ] && export DSV4FLASH_STRICT_SKIPS=1
 [ "${#run_after[@]}" -eq 0 ] || exec "${run_after[@]}"

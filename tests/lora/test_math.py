@@ -111,8 +111,9 @@ def test_expert_keys_are_the_lifecycle_packed_layout(make_model, tiny_cfg):
     assert sd["layers.4.ffn.experts.w1.lora_A.weight"].shape == (e, r, tiny_cfg.text.hidden_size)
     assert sd["layers.4.ffn.experts.w1.lora_B.weight"].shape == (e, tiny_cfg.text.moe_intermediate_size, r)
     assert not any(".experts.0." in k or "experts_lora" in k for k in sd)
-    packed_mod = pytest.importorskip("dsv4flash.lifecycle.packed")
-    adapter = packed_mod.PackedMoELoRA.from_packed_tensors(sd, alpha=32.0)
+    from dsv4flash.lifecycle.packed import PackedMoELoRA  # our own module: import it, never skip
+
+    adapter = PackedMoELoRA.from_packed_tensors(sd, alpha=32.0)
     assert adapter.num_experts == e and adapter.rank == r
     per_expert = adapter.to_per_expert()
     assert torch.equal(per_expert["layers.4.ffn.experts.3.w2.lora_B.weight"], sd["layers.4.ffn.experts.w2.lora_B.weight"][3])
