@@ -44,7 +44,7 @@ class CheckpointRegistry:
             if ttl_seconds is not ...:
                 if ttl_seconds is not None and ttl_seconds <= 0:
                     raise ValueError(f"{path}: ttl_seconds must be positive or None, got {ttl_seconds}")
-                entry["expires_at"] = None if ttl_seconds is None else (now or time.time()) + float(ttl_seconds)
+                entry["expires_at"] = None if ttl_seconds is None else (time.time() if now is None else now) + float(ttl_seconds)
             if public is not None:
                 entry["public"] = bool(public)
             if path in self._entries or entry != {"expires_at": None, "public": False}:  # defaults stay implicit

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -99,8 +100,14 @@ class ServiceClient:
         except Exception as exc:
             raise FileNotFoundError(f"checkpoint {path}: not in the store at {self.root} ({exc})") from exc
 
+    def archive_dir(self, path: str, revision_id: str) -> Path:
+        """Where a checkpoint's PEFT archive goes (per revision: a name saved again gets a fresh archive)."""
+        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
+        return self.root / "service" / "archives" / parsed.training_run_id / f"{parsed.tag}.{revision_id[:16]}"
+
     def delete_checkpoint(self, path: str) -> None:
-        """Remove a checkpoint's name; its revision is retired unless the head or another name still uses it."""
+        """Remove a checkpoint's name and its archives; the revision is retired unless the head or another name
+        still uses it."""
         from dsv4flash.lifecycle.errors import ReferencedRevisionError, RevisionNotFoundError
 
         parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
@@ -114,6 +121,7 @@ class ServiceClient:
             except ReferencedRevisionError:
                 pass  # still the run's head or another checkpoint's revision: its bytes stay
             self.checkpoints.forget(path)
+            shutil.rmtree(self.archive_dir(path, rev_id), ignore_errors=True)
 
     def expire_checkpoints(self, now: float | None = None) -> list[str]:
         """Delete every checkpoint whose TTL has passed -> their paths."""

@@ -130,10 +130,7 @@ class RestClient:
     def _archive(self, path: str) -> CheckpointArchiveUrlResponse:
         from dsv4flash.lora import save_peft_adapter
 
-        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
-        rev = self.service.require_checkpoint(path)
-        # keyed by revision: a name saved again with overwrite=True gets a fresh archive
-        target = self.service.root / "service" / "archives" / parsed.training_run_id / f"{parsed.tag}.{rev.id[:16]}"
+        target = self.service.archive_dir(path, self.service.require_checkpoint(path).id)
         if not target.exists():
             tensors, _, placement = self.service._read_checkpoint(path, False)
             with self.service.base.bind(placement, tensors) as shell:

@@ -114,6 +114,8 @@ def test_archive_url_is_a_peft_directory_of_the_checkpoint(service):
     loaded = lora_state_dict(fresh)
     assert loaded.keys() == tc.adapter.keys()
     assert all(torch.equal(loaded[k], tc.adapter[k].detach()) for k in loaded)
+    service.create_rest_client().delete_checkpoint_from_tinker_path(path).result()
+    assert not directory.exists()  # deleting a checkpoint removes its archive too
 
 
 def test_async_twins_double_await(service):
