@@ -13,7 +13,7 @@ from dsv4flash_bridge.convert_common import (DEFAULT_CHUNK_BYTES, LAYOUT_FILE, L
                                              Summary, check_copy, copy_files, copy_rows, logical_shape, progress_bar,
                                              quantized_pairs, scale_rows, staging, chunk_rows)
 from dsv4flash_bridge.renamed import ReleaseView, output_tensors, vision_heads
-from dsv4flash_bridge.safetensors_io import SafetensorsWriter, parse_header
+from dsv4flash_bridge.safetensors_io import SafetensorsWriter, all_or_nothing, parse_header
 from dsv4flash_bridge.sharded import INDEX_FILE, CheckpointReader
 
 
@@ -46,30 +46,23 @@ def export_release(src, dst, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify: 
                 writers[where[name][0]].write_rows(name, rows)
 
         bar, task = progress_bar(progress, f"export {src.name}", sum(ckpt.info(n).nbytes for n in ckpt.names()))
-        try:
-            with bar:
-                for name, (shard, info) in where.items():
-                    if name in scales:
-                        continue
-                    if name not in ckpt:
-                        raise ConvertError(f"{src}: release tensor {name} is missing")
-                    if name in pairs:
-                        summary.bytes_read += _export_quantized(ckpt, stored_scales, name, pairs[name], info, where,
-                                                                write, chunk_bytes, lambda n: bar.advance(task, n))
-                    else:
-                        got = ckpt.info(name)
-                        if got.shape != info.shape:
-                            raise ConvertError(f"{name}: shape {list(got.shape)} but the release has {list(info.shape)}")
-                        summary.bytes_read += copy_rows(ckpt, got, lambda t, n=name: write(n, t), chunk_bytes,
-                                                         cast=info.torch_dtype if got.dtype != info.dtype else None)
-                        bar.advance(task, got.nbytes)
-                    summary.tensors += 1
-            for writer in writers.values():
-                writer.close()
-        except BaseException:
-            for writer in writers.values():
-                writer.abort()
-            raise
+        with all_or_nothing(writers), bar:
+            for name, (shard, info) in where.items():
+                if name in scales:
+                    continue
+                if name not in ckpt:
+                    raise ConvertError(f"{src}: release tensor {name} is missing")
+                if name in pairs:
+                    summary.bytes_read += _export_quantized(ckpt, stored_scales, name, pairs[name], info, where,
+                                                            write, chunk_bytes, lambda n: bar.advance(task, n))
+                else:
+                    got = ckpt.info(name)
+                    if got.shape != info.shape:
+                        raise ConvertError(f"{name}: shape {list(got.shape)} but the release has {list(info.shape)}")
+                    summary.bytes_read += copy_rows(ckpt, got, lambda t, n=name: write(n, t), chunk_bytes,
+                                                     cast=info.torch_dtype if got.dtype != info.dtype else None)
+                    bar.advance(task, got.nbytes)
+                summary.tensors += 1
         summary.bytes_written = sum(i.nbytes for infos in headers.values() for i in infos)
         for name, text in ((INDEX_FILE, layout["index"]), ("config.json", layout["config"])):
             if text is not None:

@@ -12,6 +12,7 @@ for byte (`library_order` gives that library's tensor order), or reproduce a giv
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -366,6 +367,23 @@ class SafetensorsWriter:
         if name not in self._spec:
             raise SafetensorsError(f"{self.path}: no tensor {name!r} in this file's header")
         return self._spec[name]
+
+
+@contextlib.contextmanager
+def all_or_nothing(writers: Mapping[str, SafetensorsWriter]) -> Iterator[Mapping[str, SafetensorsWriter]]:
+    """Close every writer (rename into place) when the block succeeds; abort every one if it raises or any file
+    is incomplete. Completeness is checked for all before any is renamed, so an incomplete set publishes nothing."""
+    try:
+        yield writers
+        for writer in writers.values():
+            if writer.missing():
+                writer.close()  # raises SafetensorsError naming the first unwritten tensor
+        for writer in writers.values():
+            writer.close()
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
 
 
 def fsync_dir(directory: Path) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from dsv4flash.quant_plan import QuantRole, StoredTensor, quant_role, scale_name, stored_layout
 from dsv4flash_bridge import codecs
-from dsv4flash_bridge.safetensors_io import SafetensorsWriter, TensorSpec, library_order
+from dsv4flash_bridge.safetensors_io import SafetensorsWriter, TensorSpec, all_or_nothing, library_order
 from dsv4flash_bridge.sharded import write_index
 
 __all__ = ["write_release_checkpoint", "largest_tensor_bytes", "mid_config", "GENERATOR_CHUNK_ROWS"]
@@ -129,16 +129,10 @@ def write_release_checkpoint(dst: str | Path, config="tiny", *, rows: Sequence[S
         by_shard.setdefault(shard_of[r.name], []).append(TensorSpec(r.name, r.dtype, tuple(r.shape)))
     writers = {shard: SafetensorsWriter(dst / shard, library_order(specs), {"format": "pt"})
                for shard, specs in by_shard.items()}
-    try:
+    with all_or_nothing(writers):
         for r in rows:
             if not r.name.endswith(".scale"):
                 _write_tensor(writers, shard_of, r, seed, std)
-        for writer in writers.values():
-            writer.close()
-    except BaseException:
-        for writer in writers.values():
-            writer.abort()
-        raise
     write_index(dst, {r.name: shard_of[r.name] for r in rows}, sum(r.nbytes for r in rows))
     if cfg is not None:
         cfg.save(dst / "config.json")

@@ -241,3 +241,27 @@ def test_the_lifecycle_writes_the_bridge_format(tmp_path):
     with SafetensorsReader(tmp_path / "l.safetensors") as reader:
         assert [(e.name, e.start) for e in read_header(tmp_path / "l.safetensors").entries] == \
                [(n, reader.info(n).start - reader.data_start) for n in reader.names()]
+
+
+def test_all_or_nothing_publishes_every_shard_or_none(tmp_path):
+    """A failure while writing one shard, or one shard left incomplete, removes every shard of the set."""
+    specs = [TensorSpec("a", "F32", (2, 2))]
+    out = tmp_path / "ckpt"
+
+    def writers():
+        return {n: SafetensorsWriter(out / n, specs) for n in ("s1.safetensors", "s2.safetensors")}
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with io.all_or_nothing(writers()) as ws:
+            ws["s1.safetensors"].write("a", torch.ones(2, 2))
+            raise RuntimeError("boom")
+    assert no_files_left(out)
+    with pytest.raises(SafetensorsError, match="incomplete"):
+        with io.all_or_nothing(writers()) as ws:
+            ws["s1.safetensors"].write("a", torch.ones(2, 2))  # s2 never written: its close fails
+    assert no_files_left(out)
+    with io.all_or_nothing(writers()) as ws:
+        for w in ws.values():
+            w.write("a", torch.full((2, 2), 3.0))
+    assert sorted(p.name for p in out.iterdir()) == ["s1.safetensors", "s2.safetensors"]
+    assert torch.equal(safetensors.torch.load_file(str(out / "s2.safetensors"))["a"], torch.full((2, 2), 3.0))

@@ -23,7 +23,7 @@ from transformers import PretrainedConfig
 
 from dsv4flash.config import DSV41FlashConfig
 from dsv4flash_bridge.convert_common import ConvertError, copy_rows, staging
-from dsv4flash_bridge.safetensors_io import SafetensorsWriter, TensorInfo
+from dsv4flash_bridge.safetensors_io import SafetensorsWriter, TensorInfo, all_or_nothing
 from dsv4flash_bridge.sharded import CheckpointReader
 
 __all__ = ["ReleaseStateSource", "ReleasePretrained", "save_release"]
@@ -79,7 +79,7 @@ def save_release(weights: Iterable[tuple[str, torch.Tensor]], source: str | Path
     with CheckpointReader(source) as src, staging(dst, overwrite, False) as out:
         writers = {s: SafetensorsWriter.from_header(out / s, src.reader(s).header_blob) for s in src.index.shards}
         seen: set[str] = set()
-        try:
+        with all_or_nothing(writers):
             for name, tensor in weights:
                 if name not in src:
                     raise ConvertError(f"{name}: not a tensor of the release layout in {source}")
@@ -96,12 +96,6 @@ def save_release(weights: Iterable[tuple[str, torch.Tensor]], source: str | Path
                     raise ConvertError(f"{name}: not exported, but {partner} was (a weight and its scale go together)")
                 info = src.info(name)
                 copy_rows(src, info, lambda t, n=name: writers[src.shard_of(n)].write_rows(n, t), chunk_bytes)
-            for writer in writers.values():
-                writer.close()
-        except BaseException:
-            for writer in writers.values():
-                writer.abort()
-            raise
         for path in sorted(source.iterdir()):  # index.json and config.json verbatim, tokenizer files too
             if path.is_file() and not path.name.endswith(".safetensors"):
                 shutil.copy2(path, out / path.name)
