@@ -66,6 +66,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (tiny-model ops), the previous count restored after."""
+    from tests._threads import single_thread
+
+    with single_thread():
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     """The tiny test config (architecture.md §14)."""

@@ -76,9 +76,5 @@ def randomize_adapters(model, seed=0, std=0.05):
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny model's ops are far too small for intra-op threads; on a busy 2-core runner they only spin."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every test here runs on one intra-op thread (`one_thread` in tests/conftest.py)."""

@@ -26,14 +26,8 @@ def mbridge():
 @pytest.fixture(scope="module")
 def mcore(mbridge):
     """One single-rank gloo Megatron session for a module, with one intra-op thread (tiny models)."""
-    import torch
-
+    from tests._threads import single_thread
     from tests.mcore_cpu import parallel
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with parallel.model_parallel(seed=1234):
-            yield
-    finally:
-        torch.set_num_threads(threads)
+    with single_thread(), parallel.model_parallel(seed=1234):
+        yield

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterator
 
 import torch
 
+from tests._threads import single_thread  # noqa: F401  (the CSA2 tests use it as sup.single_thread)
+
 VOCAB = 512
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """One intra-op thread for the block: these models are tiny, and on a busy 2-core machine torch's
-    thread pool costs far more than it brings."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def reference(seed: int = 0):

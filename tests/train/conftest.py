@@ -2,12 +2,8 @@
 only adds contention), and a small seeded tiny model."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """Every test here runs on one intra-op thread (`one_thread` in tests/conftest.py)."""
