@@ -14,6 +14,9 @@ import torch  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 
+# The both-forms patch harness (`patch_form` fixture and its hooks; they act only on tests that use it).
+pytest_plugins = ["dsv4flash.patchseries.testing"]
+
 
 # With DSV4FLASH_STRICT_SKIPS=1 (set by `ci/install.sh test`, so by CI) a skip is a failure unless it is one of
 # these: the machine has no GPU, or a test that needs the network was not opted into. A missing dependency,

@@ -9,8 +9,8 @@ they observe with `patch_form.record(name, value)`. Each such test is collected 
   not applied and its upstream probe must report the fix as present. The two runs must pass and record
   identical values (within a per-record tolerance for floats).
 
-Use it from a conftest: `from dsv4flash.patchseries.testing import patch_form, pytest_generate_tests,
-pytest_pyfunc_call, pytest_collection_modifyitems, pytest_runtest_logreport, pytest_sessionfinish`.
+Register it once as a plugin in the root conftest (`pytest_plugins = ["dsv4flash.patchseries.testing"]`); its
+hooks only act on tests that request `patch_form`.
 """
 
 from __future__ import annotations

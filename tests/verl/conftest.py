@@ -1,4 +1,4 @@
-"""veRL-on-CPU fixtures and the both-forms patch harness for tests/verl.
+"""veRL-on-CPU fixtures for tests/verl (the both-forms harness comes from tests/conftest.py).
 
 verl 0.9.1 imports without a GPU; its vLLM-side modules need vLLM importable on CPU (`VLLM_TARGET_DEVICE=cpu`,
 set by the suite conftest) and its Megatron-side ones megatron-core with the CUDA redirect (tests/mcore_cpu).
@@ -7,15 +7,6 @@ set by the suite conftest) and its Megatron-side ones megatron-core with the CUD
 from __future__ import annotations
 
 import pytest
-
-from dsv4flash.patchseries.testing import (  # noqa: F401  (pytest hooks and the patch_form fixture)
-    patch_form,
-    pytest_collection_modifyitems,
-    pytest_generate_tests,
-    pytest_pyfunc_call,
-    pytest_runtest_logreport,
-    pytest_sessionfinish,
-)
 
 
 @pytest.fixture(scope="module")

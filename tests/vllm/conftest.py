@@ -1,4 +1,4 @@
-"""vLLM-on-CPU fixtures and the both-forms patch harness for tests/vllm.
+"""vLLM-on-CPU fixtures for tests/vllm (the both-forms patch harness comes from tests/conftest.py).
 
 vLLM 0.33 imports on CPU with `VLLM_TARGET_DEVICE=cpu` (set by the suite conftest); its parallel linears
 need a (gloo, world size 1) tensor-parallel group and a current `VllmConfig`, which `vllm_cpu` provides and
@@ -11,14 +11,6 @@ import os
 
 import pytest
 
-from dsv4flash.patchseries.testing import (  # noqa: F401  (pytest hooks and the patch_form fixture)
-    patch_form,
-    pytest_collection_modifyitems,
-    pytest_generate_tests,
-    pytest_pyfunc_call,
-    pytest_runtest_logreport,
-    pytest_sessionfinish,
-)
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
