@@ -61,6 +61,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     def __init__(self, config: DeepseekV41Config, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, seed: int | None = 0) -> None:
         super().__init__(config)
+        if self.generation_config is not None:
+            self.generation_config.use_cache = False  # no cache yet: say so rather than pretend (module docstring)
         core = Transformer(config.to_dsv4flash(), dtype=dtype, device=device, seed=seed)
         self.cfg = core.cfg
         for name, child in core._modules.items():
