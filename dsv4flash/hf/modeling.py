@@ -167,9 +167,11 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args: Any,
                         config: DeepseekV41Config | None = None, dtype: Any = None, device: Any = None,
-                        progress: bool = False, subfolder: str = "", **kwargs: Any) -> "DeepseekV41ForCausalLM":
-        """Load a local directory: release layout (FP8/MXFP4/Engram decoded by the bridge), a `convert import`
-        output, or a dsv4flash base (`model.safetensors` + config.json). dtype defaults to float32."""
+                        progress: bool = False, subfolder: str = "", staging_dir: str | os.PathLike | None = None,
+                        **kwargs: Any) -> "DeepseekV41ForCausalLM":
+        """Load a local directory: release layout (FP8/MXFP4/Engram decoded by the bridge under `staging_dir`),
+        a `convert import` output, or a dsv4flash base (`model.safetensors` + config.json). dtype: float32 by
+        default, "auto" = config.dtype."""
         from dsv4flash.hf.checkpoint import load_checkpoint
 
         dtype = kwargs.pop("torch_dtype", None) if dtype is None else dtype
@@ -188,7 +190,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         device = None if device in (None, "auto") else device
         model = cls(config, dtype=dtype, device=device or "cpu", seed=None)  # seed=None: allocated, not initialised
-        model.release_layout = load_checkpoint(model, directory, progress=progress)
+        model.release_layout = load_checkpoint(model, directory, progress=progress, staging_dir=staging_dir)
         model.name_or_path = str(directory)
         model.config.name_or_path = str(directory)
         return model.eval()

@@ -132,15 +132,29 @@ def _tensor_bytes(directory: Path) -> dict[str, bytes]:
 def test_release_save_is_bit_exact(release_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(release_dir)
     model.save_pretrained(tmp_path / "saved")
-    assert _tensor_bytes(tmp_path / "saved") == _tensor_bytes(release_dir)
+    source = _tensor_bytes(release_dir)
+    assert _tensor_bytes(tmp_path / "saved") == source
     for name in ("config.json", "model.safetensors.index.json"):
         assert (tmp_path / "saved" / name).read_bytes() == (release_dir / name).read_bytes()
     # A changed weight is written back changed (fresh scale for its blocks), the rest stays identical.
     with torch.no_grad():
         model.get_parameter("layers.3.attn.wq_a.weight").mul_(2.0)
     model.save_pretrained(tmp_path / "saved")
-    changed = {k for k, v in _tensor_bytes(tmp_path / "saved").items() if v != _tensor_bytes(release_dir)[k]}
+    changed = {k for k, v in _tensor_bytes(tmp_path / "saved").items() if v != source[k]}
     assert changed and all(k.startswith("layers.3.attn.wq_a.") for k in changed)
+
+
+def test_bfloat16_load_and_save_are_bit_exact_too(release_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(release_dir, dtype="auto", staging_dir=tmp_path)
+    assert next(model.parameters()).dtype == torch.bfloat16 and list(tmp_path.iterdir()) == []
+    model.save_pretrained(tmp_path / "saved")
+    assert _tensor_bytes(tmp_path / "saved") == _tensor_bytes(release_dir)
+
+
+def test_megatron_named_import_is_refused_clearly(release_dir, tmp_path):
+    import_release(release_dir, tmp_path / "meg", naming="megatron", progress=False)
+    with pytest.raises(CheckpointLayoutError, match="imported with --naming megatron"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "meg")
 
 
 def test_wrong_checkpoint_names_the_tensor(base_dir, tmp_path):
