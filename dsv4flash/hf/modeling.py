@@ -188,6 +188,9 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         if dtype is None or dtype == "auto":
             dtype = torch.float32 if dtype is None else config.dtype
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if isinstance(device, dict):
+            raise TypeError("DeepseekV41ForCausalLM.from_pretrained: device_map must name one device (the reference "
+                            "model is single-device), got a dict")
         device = None if device in (None, "auto") else device
         model = cls(config, dtype=dtype, device=device or "cpu", seed=None)  # seed=None: allocated, not initialised
         model.release_layout = load_checkpoint(model, directory, progress=progress, staging_dir=staging_dir)
