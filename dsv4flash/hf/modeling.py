@@ -51,12 +51,8 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
 class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     """DeepSeek-V4.1-Flash for causal LM (text and image prompts), wrapping the reference model."""
 
-    # The reference model's forward pieces, run on this module's own (adopted, release-named) children.
-    embed_inputs = Transformer.embed_inputs
-    run_layers = Transformer.run_layers
-    logits = Transformer.logits
+    # The reference model's own forward (its other methods are copied in below the class).
     reference_forward = Transformer.forward
-    _fill_images = Transformer._fill_images
 
     def __init__(self, config: DeepseekV41Config, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, seed: int | None = 0) -> None:
@@ -211,3 +207,14 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                              "model's own parameters")
         if is_main_process:
             save_checkpoint(self, Path(save_directory), max_shard_size=max_shard_size, progress=progress)
+
+
+def _adopt_reference_methods(cls: type) -> None:
+    """Give `cls` every method of the reference model (embed_inputs, run_layers, logits, and whatever it
+    gains, e.g. prefill/decode), so they run on the adopted children; transformers' own names win."""
+    for name, value in vars(Transformer).items():
+        if callable(value) and not name.startswith("__") and name != "forward" and not hasattr(cls, name):
+            setattr(cls, name, value)
+
+
+_adopt_reference_methods(DeepseekV41ForCausalLM)

@@ -21,7 +21,7 @@ from dsv4flash_bridge.safetensors_io import SafetensorsReader
 from dsv4flash_bridge.sharded import CheckpointReader
 from dsv4flash_bridge.synthetic import write_release_checkpoint
 
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText  # noqa: E402
 
 RELEASE_CONFIGS = {"flash": Path(dsv4flash.__file__).parent / "data" / "flash_config.json",
                    "tiny": Path(dsv4flash.__file__).parent / "data" / "tiny_config.json"}
@@ -89,6 +89,8 @@ def test_from_pretrained_base_dir(base_dir):
     for name, param in ref.named_parameters():
         assert torch.equal(model.get_parameter(name), param), name
     _text_and_image_logits(model, ref.eval())
+    image_text = AutoModelForImageTextToText.from_pretrained(base_dir)  # the release is a VLM as well
+    assert type(image_text) is type(model) and torch.equal(image_text.head.weight, model.head.weight)
 
 
 def test_base_save_round_trip_keeps_other_files(base_dir, tmp_path):

@@ -1,0 +1,50 @@
+"""DeepseekV41ForCausalLM is the reference model under transformers' interface: same parameters (release
+names), same initialisation, same logits; the loss is transformers' causal-LM loss over them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv4flash.config import load_config
+from dsv4flash.hf import DeepseekV41Config, DeepseekV41ForCausalLM
+from dsv4flash.model.transformer import Transformer
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return DeepseekV41ForCausalLM(DeepseekV41Config.from_dsv4flash("tiny"), seed=9), Transformer(load_config("tiny"),
+                                                                                                  seed=9)
+
+
+def test_same_parameters_same_init_and_every_reference_method(pair):
+    model, ref = pair
+    got, want = dict(model.named_parameters()), dict(ref.named_parameters())
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    methods = [n for n, v in vars(Transformer).items() if callable(v) and not n.startswith("__")]
+    assert all(getattr(type(model), n) is getattr(Transformer, n) for n in methods if n != "forward")
+    assert model.base_model is model and model.get_input_embeddings() is model.embed
+
+
+def test_logits_loss_and_logits_to_keep(pair):
+    model, ref = pair
+    ids = torch.randint(3, 400, (2, 9), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    out = model(ids, labels=labels)
+    logits = ref(ids)
+    assert torch.equal(out.logits, logits)
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out.loss, want)
+    assert torch.equal(model(ids, logits_to_keep=1).logits, logits[:, -1:])
+    with pytest.raises(ValueError, match="inputs_embeds is not supported"):
+        model(inputs_embeds=torch.zeros(1, 2, 64))
+
+
+def test_right_padding_leaves_the_prefix_unchanged(pair):
+    model, ref = pair
+    ids = torch.tensor([[5, 6, 7, 8, 2, 2]])
+    out = model(ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]])).logits
+    assert torch.equal(out[:, :4], ref(ids[:, :4])) and bool((out[:, 4:] == 0).all())
