@@ -68,3 +68,18 @@ def test_vllm_plugin_registers(tmp_path):
     before = ("import sys\nfrom vllm.plugins import load_general_plugins\nload_general_plugins()\n"
               "assert 'dsv4flash' in sys.modules, 'the vllm.general_plugins entry point did not load'\n")
     assert run_fresh(tmp_path, before) == EXPECTED
+
+
+def test_vllm_config_class_registered_first_is_kept(tmp_path):
+    """vLLM's get_config registers its own flat config class for its engine; dsv4flash must not replace it."""
+    before = ("from vllm.transformers_utils.config import _CONFIG_REGISTRY, _register_config_class\n"
+              "_register_config_class('deepseek_v41', _CONFIG_REGISTRY['deepseek_v41'])\n"
+              "import dsv4flash\n")
+    code = before + ("import sys\nfrom transformers import AutoConfig\n"
+                     "c = AutoConfig.from_pretrained(sys.argv[1])\nprint(type(c).__module__)\n")
+    (tmp_path / "config.json").write_text(TINY.read_text())
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "vllm.transformers_utils.configs.deepseek_v41"
