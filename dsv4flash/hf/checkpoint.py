@@ -52,7 +52,7 @@ def detect_layout(directory: Path) -> str:
 
 
 def load_checkpoint(model: nn.Module, directory: Path, *, progress: bool = False,
-                    staging_dir: str | Path | None = None) -> Path | None:
+                    staging_dir: str | Path | None = None, layout: str | None = None) -> Path | None:
     """Fill `model`'s parameters from `directory`; returns the bridge sidecar to export with (or None).
     A release directory is decoded under `staging_dir` (default: the system temp dir; needs the decoded size)."""
     import json
@@ -60,7 +60,7 @@ def load_checkpoint(model: nn.Module, directory: Path, *, progress: bool = False
     from dsv4flash_bridge.convert import import_release
     from dsv4flash_bridge.convert_common import LAYOUT_FILE, SIDECAR
 
-    layout = detect_layout(directory)
+    layout = layout or detect_layout(directory)
     if layout == "base":
         _copy_tensors(model, directory)
         return None

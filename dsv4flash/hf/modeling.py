@@ -168,7 +168,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         """Load a local directory: release layout (FP8/MXFP4/Engram decoded by the bridge under `staging_dir`),
         a `convert import` output, or a dsv4flash base (`model.safetensors` + config.json). dtype: float32 by
         default, "auto" = config.dtype."""
-        from dsv4flash.hf.checkpoint import load_checkpoint
+        from dsv4flash.hf.checkpoint import detect_layout, load_checkpoint
 
         dtype = kwargs.pop("torch_dtype", None) if dtype is None else dtype
         device = kwargs.pop("device_map", None) if device is None else device
@@ -179,6 +179,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         directory = Path(pretrained_model_name_or_path) / subfolder
         if not directory.is_dir():
             raise FileNotFoundError(f"{directory}: not a local checkpoint directory (nothing is downloaded)")
+        layout = detect_layout(directory)  # headers only: a directory without weights fails before allocating
         if config is None:
             config = DeepseekV41Config.from_pretrained(directory)
         if dtype is None or dtype == "auto":
@@ -189,7 +190,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                             "model is single-device), got a dict")
         device = None if device in (None, "auto") else device
         model = cls(config, dtype=dtype, device=device or "cpu", seed=None)  # seed=None: allocated, not initialised
-        model.release_layout = load_checkpoint(model, directory, progress=progress, staging_dir=staging_dir)
+        model.release_layout = load_checkpoint(model, directory, progress=progress, staging_dir=staging_dir,
+                                               layout=layout)
         model.name_or_path = str(directory)
         model.config.name_or_path = str(directory)
         return model.eval()

@@ -162,6 +162,13 @@ def test_megatron_named_import_is_refused_clearly(release_dir, tmp_path):
 def test_wrong_checkpoint_names_the_tensor(base_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
+    from dsv4flash_bridge.safetensors_io import SafetensorsError
+
+    (tmp_path / "flash").mkdir()
+    load_config("flash").save(tmp_path / "flash" / "config.json")
+    with pytest.raises(SafetensorsError, match="neither model.safetensors.index.json nor model.safetensors"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "flash")  # fails before allocating the full model
+
     bad = Path(shutil.copytree(base_dir, tmp_path / "bad"))
     state = load_file(str(bad / "model.safetensors"))
     state.pop("layers.3.attn.wq_a.weight")
