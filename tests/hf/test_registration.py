@@ -41,14 +41,14 @@ EXPECTED = {"config": "DeepseekV41Config", "causal_lm": "DeepseekV41ForCausalLM"
 
 def test_import_dsv4flash_is_cheap_and_registers_later(tmp_path):
     before = ("import sys, dsv4flash\n"
-              "assert 'transformers' not in sys.modules and 'torch' not in sys.modules, 'import dsv4flash pulled them'\n"
+              "assert 'transformers' not in sys.modules and 'torch' not in sys.modules, 'import dsv4flash pulled it'\n"
               "import transformers\n"
               "assert 'dsv4flash.hf.configuration' not in sys.modules  # registered only when auto classes load\n")
     assert run_fresh(tmp_path, before) == EXPECTED
 
 
 def test_transformers_first_then_dsv4flash(tmp_path):
-    before = "from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText\nimport dsv4flash\n"
+    before = "from transformers import AutoModelForCausalLM, AutoModelForImageTextToText\nimport dsv4flash\n"
     assert run_fresh(tmp_path, before) == EXPECTED
 
 
