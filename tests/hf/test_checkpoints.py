@@ -146,6 +146,15 @@ def test_release_save_is_bit_exact(release_dir, tmp_path):
     assert changed and all(k.startswith("layers.3.attn.wq_a.") for k in changed)
 
 
+def test_release_with_dspark_blocks_round_trips(tmp_path):
+    """tiny_mtp has three DSpark (`mtp.*`) blocks: every tensor family of the release is loaded and re-saved."""
+    release = write_release_checkpoint(tmp_path / "release", "tiny_mtp", shards=2, seed=2)
+    model = AutoModelForCausalLM.from_pretrained(release)
+    assert any(name.startswith("mtp.2.") for name, _ in model.named_parameters())
+    model.save_pretrained(tmp_path / "saved")
+    assert _tensor_bytes(tmp_path / "saved") == _tensor_bytes(release)
+
+
 def test_bfloat16_load_and_save_are_bit_exact_too(release_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(release_dir, dtype="auto", staging_dir=tmp_path)
     assert next(model.parameters()).dtype == torch.bfloat16 and list(tmp_path.iterdir()) == []
