@@ -172,7 +172,7 @@ def save_checkpoint(model: nn.Module, target: Path, *, max_shard_size: int | str
                     progress: bool = False) -> None:
     """Release layout through `export_release` when the model has a sidecar, else a base directory."""
     from dsv4flash_bridge.convert import export_release
-    from dsv4flash_bridge.convert_common import SIDECAR
+    from dsv4flash_bridge.convert_common import LAYOUT_FILE, SIDECAR
 
     shard_bytes = _shard_bytes(max_shard_size)
     sidecar = getattr(model, "release_layout", None)
@@ -184,6 +184,9 @@ def save_checkpoint(model: nn.Module, target: Path, *, max_shard_size: int | str
 
         publish_directory(target, write, overwrite=True, what="save_pretrained")
         return
+    if not (Path(sidecar) / LAYOUT_FILE).is_file():
+        raise CheckpointLayoutError(f"{sidecar}: the release layout recorded at load is gone (it lives as long as "
+                                    "the model it was loaded with); load the model again to save the release layout")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{target.name}.staging-", dir=target.parent) as tmp:
         staging = Path(tmp)

@@ -100,8 +100,6 @@ class DeepseekV41Config(PreTrainedConfig):
                 setattr(self, key, cls())
             elif isinstance(value, dict):
                 setattr(self, key, cls(**value))
-            elif isinstance(value, DSV41FlashConfig):
-                raise TypeError(f"{key}: pass DeepseekV41Config.from_dsv4flash(cfg) for a dsv4flash config")
         super().__post_init__(**kwargs)
         self.to_dsv4flash()  # validate now: every rule names the offending key
 
