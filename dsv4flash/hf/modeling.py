@@ -54,9 +54,11 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     # The reference model's own forward (its other methods are copied in below the class).
     reference_forward = Transformer.forward
 
-    def __init__(self, config: DeepseekV41Config, *, dtype: torch.dtype = torch.float32,
+    def __init__(self, config: DeepseekV41Config, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, seed: int | None = 0) -> None:
+        """Build the reference model (dtype: torch's default, which `from_config(dtype=...)` sets; seeded init)."""
         super().__init__(config)
+        dtype = dtype or torch.get_default_dtype()
         if self.generation_config is not None:
             self.generation_config.use_cache = False  # no cache yet: say so rather than pretend (module docstring)
         core = Transformer(config.to_dsv4flash(), dtype=dtype, device=device, seed=seed)

@@ -48,3 +48,13 @@ def test_right_padding_leaves_the_prefix_unchanged(pair):
     ids = torch.tensor([[5, 6, 7, 8, 2, 2]])
     out = model(ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]])).logits
     assert torch.equal(out[:, :4], ref(ids[:, :4])) and bool((out[:, 4:] == 0).all())
+
+
+def test_from_config_honours_dtype():
+    from transformers import AutoModelForCausalLM
+
+    config = DeepseekV41Config.from_dsv4flash("tiny")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    assert type(model) is DeepseekV41ForCausalLM and model.embed.weight.dtype == torch.bfloat16
+    assert model.head.weight.dtype == torch.float32  # the reference model keeps its head in fp32
+    assert DeepseekV41ForCausalLM(config).embed.weight.dtype == torch.float32
