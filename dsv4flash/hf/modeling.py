@@ -13,6 +13,8 @@ There is no KV cache yet (the CSA2 decode cache will arrive as `past_key_values`
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +30,8 @@ from dsv4flash.model.image import TEXT
 from dsv4flash.model.transformer import Transformer
 
 __all__ = ["DeepseekV41PreTrainedModel", "DeepseekV41ForCausalLM"]
+
+log = logging.getLogger("dsv4flash.hf")
 
 # Hub keyword arguments that AutoModel passes along; they do not apply to a local directory.
 _HUB_KWARGS = {"cache_dir", "force_download", "local_files_only", "proxies", "revision", "token", "trust_remote_code",
@@ -112,6 +116,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         if past_key_values is not None:
             raise ValueError("DeepseekV41ForCausalLM: no KV cache yet; past_key_values must be None (generate() "
                              "reruns the full sequence each step)")
+        if use_cache:
+            _warn_no_cache()
         logits = self._masked_logits(input_ids, attention_mask, token_types, images)  # [B,S,V] fp32
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]
@@ -211,6 +217,13 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                              "model's own parameters")
         if is_main_process:
             save_checkpoint(self, Path(save_directory), max_shard_size=max_shard_size, progress=progress)
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_cache() -> None:
+    """Once per process: use_cache=True cannot make a cache yet."""
+    log.warning("DeepseekV41ForCausalLM: use_cache=True, but there is no KV cache yet; every step reruns the full "
+                "sequence and past_key_values stays None")
 
 
 def _adopt_reference_methods(cls: type) -> None:
