@@ -83,6 +83,8 @@ def test_no_pretend_cache(models):
     ids = torch.tensor([[5, 6, 7]])
     out = model(ids, use_cache=True)
     assert out.past_key_values is None and model.generation_config.use_cache is False
+    asked = model.generate(ids, max_new_tokens=3, do_sample=False, use_cache=True)  # accepted, nothing cached
+    assert torch.equal(asked, model.generate(ids, max_new_tokens=3, do_sample=False))
     with pytest.raises(ValueError, match="no KV cache yet"):
         model(ids, past_key_values=object())
     with pytest.raises(ValueError, match="holes"):
