@@ -51,6 +51,15 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         """No-op: the reference model initialises itself (`dsv4flash.model.init`, seeded)."""
 
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, is_init_check: bool = False,
+                                              allow_all_kernels: bool = False) -> str:
+        """Always "eager": the reference model runs its own CSA2 attention, transformers' backends do not apply
+        (veRL asks for flash_attention_2 on every config it loads; that must not stop the model from building)."""
+        if attn_implementation not in (None, "eager"):
+            log.info("DeepseekV41ForCausalLM: attn_implementation=%r does not apply (CSA2 attention); using the "
+                     "reference attention", attn_implementation)
+        return "eager"
+
 
 class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     """DeepSeek-V4.1-Flash for causal LM (text and image prompts), wrapping the reference model."""

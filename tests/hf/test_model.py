@@ -58,3 +58,15 @@ def test_from_config_honours_dtype():
     assert type(model) is DeepseekV41ForCausalLM and model.embed.weight.dtype == torch.bfloat16
     assert model.head.weight.dtype == torch.float32  # the reference model keeps its head in fp32
     assert DeepseekV41ForCausalLM(config).embed.weight.dtype == torch.float32
+
+
+def test_attention_backend_requests_do_not_apply(tmp_path):
+    """veRL loads configs with attn_implementation=flash_attention_2; the model (own CSA2 attention) still builds."""
+    from transformers import AutoConfig
+
+    load_config("tiny").save(tmp_path / "config.json")
+    config = AutoConfig.from_pretrained(tmp_path, attn_implementation="flash_attention_2")
+    model = DeepseekV41ForCausalLM(config, seed=9)
+    assert model.config._attn_implementation == "eager"
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.equal(model(ids).logits, Transformer(load_config("tiny"), seed=9)(ids))
