@@ -87,6 +87,7 @@ def _run(args: argparse.Namespace) -> int:
                    "bytes_present": store.blobs.exists(rev.id)}
             print(json.dumps(out, indent=2, sort_keys=True))
         elif args.action == "log":
+            cat.policy(args.policy)  # an unknown policy is an error, not an empty listing
             if args.tag:
                 for m in cat.tag_history(args.policy, args.tag)[-args.n:]:
                     print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.at))} {m.reason:8s} {_short(m.previous)} -> {_short(m.revision)}")
