@@ -660,3 +660,27 @@ def round_trip_control(ctx):
     _export(ctx.imported(), ctx.tmp / "back", verify=True)
     if _files(ctx.tmp / "back") != _files(ctx.release()):
         raise SilentWrong("the round trip is not byte-identical")
+
+
+@case("bridge", "census --checkpoint on a directory with a truncated shard header", match=r"^error: .*truncated")
+def census_cli_truncated(ctx):
+    shard = _some_shard(ctx)
+    shard.write_bytes(shard.read_bytes()[:20])
+    return ctx.cli_must_fail("census", "--config", "tiny", "--checkpoint", shard.parent)
+
+
+@case("bridge", "census --config naming a file that does not exist", match=r"^error: .*neither a flavour")
+def census_cli_bad_config(ctx):
+    return ctx.cli_must_fail("census", "--config", ctx.tmp / "nope.json")
+
+
+@case("bridge", "census --checkpoint lists every difference of a damaged checkpoint and exits 1",
+      expect="correct result")
+def census_cli_lists_differences(ctx):
+    src = _variant(ctx, lambda rows: _resized([r for r in rows if r.name != "layers.2.attn_norm.weight"],
+                                              {"embed.weight"}, 500))
+    run = ctx.cli("census", "--config", "tiny", "--checkpoint", src)
+    lines = run.out.splitlines()
+    if run.code != 1 or lines != ["missing: layers.2.attn_norm.weight (BF16 [64])",
+                                  "mismatch: embed.weight: expected BF16 [512, 64], found BF16 [500, 64]"]:
+        raise SilentWrong(f"exit {run.code}, listed {lines}")

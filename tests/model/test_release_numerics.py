@@ -113,3 +113,12 @@ def test_indexer_follows_the_active_tie_rule():
             raise AssertionError("an unknown rule was accepted")
     except ValueError as exc:
         assert "tie rule must be one of" in str(exc)
+
+
+def test_fp32_quantizers_give_the_bits_of_the_old_straight_through_sum():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(16, 64, generator=g)  # activation magnitudes: the fp32 sum x + (q - x) is exact there
+    for exact in (lambda t: _fp8_e4m3_blockwise(t, 32), lambda t: _fp4_e4m3_scaled(t, 16),
+                  lambda t: _fp4_pow2_scaled(t, 32)):
+        q = exact(x)
+        assert torch.equal(x + (q - x), q)
