@@ -159,9 +159,14 @@ def _identity_difference(recorded: dict, current: dict) -> str | None:
     return None
 
 
+def replaced_path(dst: Path) -> Path:
+    """Where `staging` moves the previous DST while swapping in the new one (a name no user picks by chance)."""
+    return dst.with_name(f".{dst.name}.replaced-by-convert")
+
+
 def recover_swap(dst: Path) -> None:
-    """Finish or undo a replacement of DST that was killed between its renames (DST.old left behind)."""
-    old = dst.with_name(dst.name + ".old")
+    """Finish or undo a replacement of DST that was killed between its renames (the previous DST left aside)."""
+    old = replaced_path(dst)
     if not old.exists():
         return
     if dst.exists():
@@ -209,7 +214,7 @@ def staging(dst: Path, overwrite: bool, resume: bool, identity: dict | None = No
         raise
     record.unlink(missing_ok=True)
     if dst.exists():
-        old = dst.with_name(dst.name + ".old")
+        old = replaced_path(dst)
         dst.rename(old)
         partial.rename(dst)
         shutil.rmtree(old)

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dsv4flash.faultcases import DataLost, SilentWrong, case
+from dsv4flash_bridge.convert_common import replaced_path
 
 SMALL = dict(progress=False, chunk_bytes=4096)
 
@@ -114,7 +115,7 @@ def _interrupted_resume(ctx, src: Path, dst: Path) -> None:
 
 def _left_clean(ctx, *paths: Path) -> None:
     for p in paths:
-        ctx.nothing_at(p, p.with_name(p.name + ".partial"), p.with_name(p.name + ".old"))
+        ctx.nothing_at(p, p.with_name(p.name + ".partial"), replaced_path(p))
 
 
 # ------------------------------------------------------------------------------------------ resume
@@ -615,31 +616,44 @@ def _killed_overwrite(ctx, suffix: str) -> Path:
     return dst
 
 
-@case("bridge", "--overwrite killed between its renames: the next run restores DST and removes DST.old",
+@case("bridge", "--overwrite killed between its renames: the next run restores DST, nothing set aside remains",
       expect="correct result")
 def overwrite_killed_between_renames(ctx):
-    dst = _killed_overwrite(ctx, "out.old")
-    if dst.exists() or not dst.with_name("out.old").exists():
+    dst = _killed_overwrite(ctx, replaced_path(ctx.tmp / "out").name)
+    if dst.exists() or not replaced_path(dst).exists():
         raise SilentWrong("the kill did not land between the two renames")
     failure = ctx.cli_must_fail("convert", "import", ctx.release(), dst, "--no-progress")  # no --overwrite
     if "already exists" not in failure.message:
         raise SilentWrong(f"expected the restored DST to exist: {failure.message}")
     if _files(dst) != _files(ctx.imported()):
         raise DataLost("the restored DST is not the previous complete output")
-    ctx.nothing_at(dst.with_name("out.old"))
+    ctx.nothing_at(replaced_path(dst))
 
 
-@case("bridge", "--overwrite killed after the swap: the next run removes the leftover DST.old", expect="correct result")
+@case("bridge", "--overwrite killed after the swap: the next run removes the previous DST left aside",
+      expect="correct result")
 def overwrite_killed_after_swap(ctx):
     dst = _killed_overwrite(ctx, "/out")
-    if not (dst.exists() and dst.with_name("out.old").exists()):
+    if not (dst.exists() and replaced_path(dst).exists()):
         raise SilentWrong("the kill did not land after the swap")
     ok = ctx.cli("convert", "import", ctx.release(), dst, "--no-progress", "--overwrite")
     if ok.code != 0:
         raise SilentWrong(f"the rerun failed: {ok.err}")
     if _files(dst) != _files(ctx.imported()):
         raise DataLost("DST is not a complete import")
-    ctx.nothing_at(dst.with_name("out.old"), dst.with_name("out.partial"))
+    ctx.nothing_at(replaced_path(dst), dst.with_name("out.partial"))
+
+
+@case("bridge", "--overwrite leaves a user's own DST.old directory alone", expect="correct result")
+def overwrite_spares_user_old(ctx):
+    dst = ctx.tmp / "out"
+    (ctx.tmp / "out.old").mkdir()
+    (ctx.tmp / "out.old" / "mine.txt").write_text("a user's backup")
+    _import(ctx.release(), dst)
+    _import(ctx.release(), dst, overwrite=True)
+    if (ctx.tmp / "out.old" / "mine.txt").read_text() != "a user's backup":
+        raise DataLost("the user's out.old was changed")
+    ctx.nothing_at(replaced_path(dst), dst.with_name("out.partial"))
 
 
 @case("bridge", "import: DST exists without --overwrite", match=r"^error: .*already exists")
