@@ -163,7 +163,7 @@ class TrainingClient:
         for i, d in enumerate(data):
             if "target_tokens" not in d.loss_fn_inputs:
                 raise KeyError(f"datum {i}: forward_backward_custom needs loss_fn_inputs['target_tokens']")
-            losses.check_datum(i, d, vocab)
+            losses.check_datum(i, d, vocab, ["target_tokens"])  # the other inputs are the custom loss's own
         with self.service.base.bind(self.placement, self.adapter) as model, torch.enable_grad():
             logps = target_logprobs(model, data)
             returned = loss_fn(data, logps)

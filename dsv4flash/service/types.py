@@ -126,7 +126,16 @@ class Datum:
 
 def check_token_ids(ids, vocab_size: int, where: str) -> None:
     """Raise naming `where` and the position when a token id is not an integer in [0, vocab_size)."""
-    for position, token in enumerate(ids):
+    arr = np.asarray(ids)
+    if arr.ndim == 1 and arr.dtype.kind in "iu":  # the common case, vectorized
+        bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+        if not bad.size:
+            return
+        ids = [int(arr[bad[0]])]
+        offset = int(bad[0])
+    else:
+        offset = 0
+    for position, token in enumerate(ids, offset):
         if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab_size:
             raise ValueError(f"{where} position {position}: token id {token!r} is not an integer in [0, {vocab_size})")
 
