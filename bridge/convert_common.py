@@ -88,7 +88,8 @@ def read_source_file(path: Path, *, required: bool, what: str = "file") -> str |
     stream forever), a directory and invalid UTF-8 are errors naming the file.
     """
     if path.is_symlink() and not path.exists():
-        raise ConvertError(f"{path}: a symlink to {os.readlink(path)!r}, which does not exist (an incomplete download?)")
+        raise ConvertError(f"{path}: a symlink to {os.readlink(path)!r}, which does not exist "
+                           f"(an incomplete download?)")
     try:
         st = path.stat()
     except FileNotFoundError:

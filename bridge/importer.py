@@ -60,8 +60,8 @@ def check_against_census(ckpt: CheckpointReader, config_text: str, config_path: 
     extras = [p.split(" ")[1] for p in problems if p.startswith("unexpected: ")]
     wrong = [p for p in problems if not p.startswith("unexpected: ") or not allow_extra]
     if wrong:
-        more = f" (and {len(wrong) - 1} more; `dsv4flash census --config {config_path} --checkpoint {ckpt.directory}` " \
-               f"lists them)" if len(wrong) > 1 else ""
+        more = (f" (and {len(wrong) - 1} more; `dsv4flash census --config {config_path} --checkpoint "
+                f"{ckpt.directory}` lists them)") if len(wrong) > 1 else ""
         hint = "; pass allow_extra (--allow-extra) to pass unknown tensors through" \
             if wrong[0].startswith("unexpected: ") else ""
         raise ConvertError(f"{ckpt.directory}: does not match the census of {config_path}: {wrong[0]}{more}{hint}")

@@ -294,7 +294,8 @@ def config_fifo(ctx):
     return failure
 
 
-@case("bridge", "import: config.json is not valid JSON", match=r"^error: .*config\.json: invalid JSON \(.* line 1 column")
+@case("bridge", "import: config.json is not valid JSON",
+      match=r"^error: .*config\.json: invalid JSON \(.* line 1 column")
 def config_invalid_json(ctx):
     src = ctx.copy_of(ctx.release())
     (src / "config.json").write_text('{"architectures": ["x"],')

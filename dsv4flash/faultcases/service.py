@@ -297,7 +297,8 @@ def empty_prompt(ctx):
     return ctx.must_fail(lambda: _sample(ctx, prompt=()))
 
 
-@case("service", "shared-encoder sampling validates before its prefill", match=r"sample: prompt position 0: token id 777")
+@case("service", "shared-encoder sampling validates before its prefill",
+      match=r"sample: prompt position 0: token id 777")
 def shared_sampling_out_of_vocab(ctx):
     from dsv4flash.service import types
     from dsv4flash.service.shared_sampling import sample_shared

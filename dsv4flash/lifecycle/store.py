@@ -21,7 +21,8 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from dsv4flash.lifecycle.blobstore import BlobStore
-from dsv4flash.lifecycle.catalog import ANY_HEAD, Catalog, is_database_url, PolicyRecord, RevisionRecord, StateRecord, open_catalog
+from dsv4flash.lifecycle.catalog import (ANY_HEAD, Catalog, PolicyRecord, RevisionRecord, StateRecord, is_database_url,
+                                         open_catalog)
 from dsv4flash.lifecycle.errors import CatalogUnreadableError, LifecycleError, StoreNotFoundError
 from dsv4flash.lifecycle.fingerprint import BaseFingerprint
 from dsv4flash.lifecycle.loader import LoadedRevision, read_revision_blob

@@ -180,7 +180,8 @@ class TrainingClient:
     def _accumulate_gradients(self, loss: torch.Tensor, what: str) -> None:
         """Add d loss / d adapter to the accumulated gradients, or refuse (nothing added) if any is non-finite."""
         if not torch.isfinite(loss):
-            raise NonFiniteError(f"{what}: the loss is {float(loss.detach())}; refused, gradients and adapter unchanged")
+            raise NonFiniteError(f"{what}: the loss is {float(loss.detach())}; refused, gradients and adapter "
+                                 f"unchanged")
         names = list(self.adapter)
         grads = torch.autograd.grad(loss, [self.adapter[n] for n in names], allow_unused=True)
         for name, grad in zip(names, grads):

@@ -163,7 +163,8 @@ class SamplingParams:
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature: expected a finite number ≥ 0, got {self.temperature!r}")
         if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"SamplingParams.top_k: expected an integer ≥ 1, or 0/-1 for no limit, got {self.top_k!r}")
+            raise ValueError(f"SamplingParams.top_k: expected an integer ≥ 1, or 0/-1 for no limit, "
+                             f"got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p: expected a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool)):

@@ -6,7 +6,8 @@ import os
 
 from dsv4flash.lifecycle.catalog.base import ANY_HEAD, HEAD, Catalog, PolicyRecord, RevisionRecord, StateRecord, TagMove
 
-__all__ = ["open_catalog", "is_database_url", "Catalog", "PolicyRecord", "RevisionRecord", "StateRecord", "TagMove", "ANY_HEAD", "HEAD"]
+__all__ = ["open_catalog", "is_database_url", "Catalog", "PolicyRecord", "RevisionRecord", "StateRecord", "TagMove",
+           "ANY_HEAD", "HEAD"]
 
 
 def is_database_url(text: str) -> bool:
