@@ -118,8 +118,8 @@ def parse_json_text(text: str, path: Path) -> dict:
 _SAMPLE = 64 << 10
 
 
-def source_identity(ckpt: CheckpointReader, texts: dict[str, str | None]) -> dict:
-    """What a resumed conversion must find unchanged in its source.
+def source_identity(ckpt: CheckpointReader, texts: dict[str, str | None], options: dict | None = None) -> dict:
+    """What a resumed conversion must find unchanged in its source (and its output options, e.g. dtype).
 
     Per shard: the header's sha256, the file size and mtime, and the sha256 of three 64 KiB windows of
     its data (start, middle, end), so a different source of the same structure (identical headers) is
@@ -138,7 +138,8 @@ def source_identity(ckpt: CheckpointReader, texts: dict[str, str | None]) -> dic
                          "size": st.st_size, "mtime_ns": st.st_mtime_ns, "data_sample_sha256": sample.hexdigest()}
     files = {name: None if text is None else hashlib.sha256(text.encode("utf-8")).hexdigest()
              for name, text in texts.items()}
-    return {"format": IDENTITY_FORMAT, "source": str(ckpt.directory.resolve()), "shards": shards, "files": files}
+    return {"format": IDENTITY_FORMAT, "source": str(ckpt.directory.resolve()), "options": dict(options or {}),
+            "shards": shards, "files": files}
 
 
 def _identity_difference(recorded: dict, current: dict) -> str | None:
@@ -147,6 +148,9 @@ def _identity_difference(recorded: dict, current: dict) -> str | None:
         return f"unknown identity format {recorded.get('format')!r}"
     if recorded.get("source") != current["source"]:
         return f"it was started from {recorded.get('source')}"
+    if recorded.get("options") != current["options"]:
+        was = ", ".join(f"{k}={v}" for k, v in sorted((recorded.get("options") or {}).items()))
+        return f"it was started with {was or 'other options'}"
     for name, digest in current["files"].items():
         if recorded.get("files", {}).get(name, digest) != digest:
             return f"{name} differs"
@@ -205,9 +209,9 @@ def staging(dst: Path, overwrite: bool, resume: bool, identity: dict | None = No
     partial.mkdir(parents=True, exist_ok=True)
     for stale in partial.rglob(".*.partial"):  # temp files of a crashed writer
         stale.unlink()
-    if identity is not None:
-        write_bytes_atomic(record, (json.dumps(identity, indent=1) + "\n").encode())
     try:
+        if identity is not None:
+            write_bytes_atomic(record, (json.dumps(identity, indent=1) + "\n").encode())
         yield partial
     except BaseException:
         if not resume:

@@ -43,7 +43,9 @@ def import_release(src, dst, *, dtype: torch.dtype = torch.bfloat16, naming: str
         extras = check_against_census(ckpt, config_text, src / "config.json", allow_extra)
         if extras:
             summary.notes.append(f"passed through {len(extras)} tensor(s) the config does not have, e.g. {extras[0]}")
-        identity = source_identity(ckpt, {"config.json": config_text, INDEX_FILE: index_text})
+        identity = source_identity(ckpt, {"config.json": config_text, INDEX_FILE: index_text},
+                                   {"dtype": str(dtype).removeprefix("torch."), "naming": naming,
+                                    "allow_extra": allow_extra})
         with staging(dst, overwrite, resume, identity) as out:
             _import(ckpt, src, out, config_text, index_text, pairs, dtype, naming, chunk_bytes, verify, progress,
                     summary)

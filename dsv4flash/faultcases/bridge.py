@@ -151,6 +151,16 @@ def resume_same_source(ctx):
     ctx.nothing_at(ctx.tmp / "out.partial")
 
 
+@case("bridge", "import --resume with another --dtype than the interrupted run is refused",
+      match=r"not resumable .*it was started with allow_extra=False, dtype=bfloat16, naming=release")
+def resume_other_dtype(ctx):
+    import torch
+
+    src = ctx.copy_of(ctx.release(), "a")
+    _interrupted_resume(ctx, src, ctx.tmp / "out")
+    return ctx.must_fail(lambda: _import(src, ctx.tmp / "out", resume=True, dtype=torch.float32))
+
+
 @case("bridge", "import --resume into a DST.partial with no source record is refused", match=r"has no source record")
 def resume_unrecorded_partial(ctx):
     src = ctx.copy_of(ctx.release(), "a")
