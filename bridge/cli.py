@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of decoded weights")
             p.add_argument("--naming", choices=("release", "megatron"), default="release",
                            help="tensor names: release (= the reference model's) or Megatron-Core (docs/bridge.md)")
+            p.add_argument("--allow-extra", action="store_true",
+                           help="pass tensors the config's census does not know through unchanged (default: refuse)")
         p.add_argument("--chunk-mb", type=int, default=256, help="rows per chunk are sized to about this many MiB")
         p.add_argument("--verify", action="store_true", help="re-read the output and check it against the source")
         p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
@@ -40,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run one action; a bad checkpoint prints its error and returns 1."""
+    """Run one action; a bad checkpoint, a bad argument or a failed write prints one line and returns 2."""
+    from dsv4flash.census import CensusError
     from dsv4flash.config import ConfigError
     from dsv4flash_bridge.codecs import CodecError
     from dsv4flash_bridge.convert import ConvertError, export_release, import_release
@@ -57,12 +60,18 @@ def run(args: argparse.Namespace) -> int:
                       overwrite=args.overwrite, resume=args.resume)
         if args.action == "import":
             dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-            summary = import_release(args.src, args.dst, dtype=dtype, naming=args.naming, **common)
+            summary = import_release(args.src, args.dst, dtype=dtype, naming=args.naming,
+                                     allow_extra=args.allow_extra, **common)
         else:
             summary = export_release(args.src, args.dst, **common)
-    except (ConvertError, CodecError, SafetensorsError, ConfigError) as exc:
+    except (ConvertError, CodecError, SafetensorsError, ConfigError, CensusError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
+    except OSError as exc:  # disk full, permissions, a vanished file: the staging directory is already removed
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"error: {args.action} {args.src} -> {args.dst} failed: {exc.strerror or exc}{where}; nothing was "
+              f"written to {args.dst}", file=sys.stderr)
+        return 2
     rate = summary.bytes_read / max(summary.seconds, 1e-9) / 2**20
     print(f"{args.action}: {summary.tensors} tensors, {summary.bytes_read / 2**30:.2f} GiB read, "
           f"{summary.bytes_written / 2**30:.2f} GiB written in {summary.seconds:.1f} s ({rate:.0f} MiB/s)")

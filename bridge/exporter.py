@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -10,8 +9,9 @@ import torch
 
 from dsv4flash_bridge import codecs
 from dsv4flash_bridge.convert_common import (DEFAULT_CHUNK_BYTES, LAYOUT_FILE, LAYOUT_FORMAT, SIDECAR, ConvertError,
-                                             Summary, check_copy, copy_files, copy_rows, logical_shape, progress_bar,
-                                             quantized_pairs, scale_rows, staging, chunk_rows)
+                                             Summary, check_copy, copy_files, copy_rows, logical_shape, parse_json_text,
+                                             progress_bar, quantized_pairs, read_source_file, scale_rows,
+                                             source_identity, staging, chunk_rows)
 from dsv4flash_bridge.renamed import ReleaseView, output_tensors, vision_heads
 from dsv4flash_bridge.safetensors_io import SafetensorsWriter, all_or_nothing, parse_header
 from dsv4flash_bridge.sharded import INDEX_FILE, CheckpointReader
@@ -22,18 +22,23 @@ def export_release(src, dst, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify: 
     """BF16/FP32 checkpoint made by import (SRC, with SRC/release/) -> release layout (DST)."""
     src, dst = Path(src), Path(dst)
     side = src / SIDECAR
-    if not (side / LAYOUT_FILE).exists():
+    if not (side / LAYOUT_FILE).exists() and not (side / LAYOUT_FILE).is_symlink():
         raise ConvertError(f"{src}: no {SIDECAR}/{LAYOUT_FILE}; export needs a checkpoint made by `convert import`")
-    layout = json.loads((side / LAYOUT_FILE).read_text(encoding="utf-8"))
+    layout_text = read_source_file(side / LAYOUT_FILE, required=True, what="release layout record")
+    layout = parse_json_text(layout_text, side / LAYOUT_FILE)
     if layout.get("format") != LAYOUT_FORMAT:
         raise ConvertError(f"{side / LAYOUT_FILE}: unknown layout format {layout.get('format')!r}")
+    for key, kind in (("shards", dict), ("index", (str, type(None))), ("config", (str, type(None)))):
+        if not isinstance(layout.get(key), kind):
+            raise ConvertError(f"{side / LAYOUT_FILE}: field {key!r} is missing or malformed")
     start, summary = time.perf_counter(), Summary()
     headers = {shard: parse_header(blob.encode("utf-8"), side / LAYOUT_FILE / shard)[0]
                for shard, blob in layout["shards"].items()}
     where = {i.name: (shard, i) for shard, infos in headers.items() for i in infos}
     pairs = quantized_pairs(where, lambda n: where[n][1])
     scales = {s for _, s in pairs.values()}
-    with CheckpointReader(src) as raw, CheckpointReader(side) as stored_scales, staging(dst, overwrite, resume) as out:
+    with CheckpointReader(src) as raw, CheckpointReader(side) as stored_scales, \
+            staging(dst, overwrite, resume, source_identity(raw, {LAYOUT_FILE: layout_text})) as out:
         ckpt = _release_view(raw, layout, where, scales, src)
         extra = sorted(set(ckpt.names()) - set(where))
         if extra:

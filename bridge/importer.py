@@ -8,11 +8,14 @@ from pathlib import Path
 
 import torch
 
-from dsv4flash.quant_plan import QuantRole
+from dsv4flash.census import census, diff_census
+from dsv4flash.config import DSV41FlashConfig
+from dsv4flash.quant_plan import QuantRole, StoredTensor
 from dsv4flash_bridge import codecs
 from dsv4flash_bridge.convert_common import (DEFAULT_CHUNK_BYTES, LAYOUT_FILE, LAYOUT_FORMAT, SIDECAR, ConvertError,
                                              Summary, check_copy, chunk_rows, copy_files, copy_rows, logical_shape,
-                                             progress_bar, quantized_pairs, same_bytes, scale_rows, staging)
+                                             parse_json_text, progress_bar, quantized_pairs, read_source_file,
+                                             same_bytes, scale_rows, source_identity, staging)
 from dsv4flash_bridge.renamed import NAMINGS, OutTensor, Piece, ReleaseView, output_tensors, vision_heads
 from dsv4flash_bridge.safetensors_io import SafetensorsWriter, TensorSpec, dtype_name, library_order
 from dsv4flash_bridge.sharded import INDEX_FILE, CheckpointReader, write_index
@@ -20,55 +23,85 @@ from dsv4flash_bridge.sharded import INDEX_FILE, CheckpointReader, write_index
 
 def import_release(src, dst, *, dtype: torch.dtype = torch.bfloat16, naming: str = "release",
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES, verify: bool = False, progress: bool = True,
-                   overwrite: bool = False, resume: bool = False) -> Summary:
+                   overwrite: bool = False, resume: bool = False, allow_extra: bool = False) -> Summary:
     """Release layout (SRC) -> BF16/FP32 checkpoint (DST) named `naming` ("release" = the reference model's
-    names, "megatron" = the name table's Megatron names), plus DST/release/ for export."""
+    names, "megatron" = the name table's Megatron names), plus DST/release/ for export.
+
+    Before anything is written, SRC's tensors are checked against the census of its config.json: a missing
+    tensor or a wrong dtype/shape is an error, and so is an unknown tensor unless `allow_extra` (then it
+    passes through unchanged)."""
     src, dst = Path(src), Path(dst)
     if dtype not in (torch.bfloat16, torch.float32):
         raise ConvertError(f"import dtype must be bfloat16 or float32, got {dtype}")
     if naming not in NAMINGS:
         raise ConvertError(f"import naming must be one of {NAMINGS}, got {naming!r}")
     start, summary = time.perf_counter(), Summary()
-    with CheckpointReader(src) as ckpt, staging(dst, overwrite, resume) as out:
+    with CheckpointReader(src) as ckpt:
         pairs = quantized_pairs(ckpt.names(), ckpt.info)
-        scales = {s for _, s in pairs.values()}
-        config_text = _read_text(src / "config.json")
-        outs = output_tensors([n for n in ckpt.names() if n not in scales], lambda n: ckpt.info(n).rows, naming,
-                              vision_heads(config_text))
-        home = {o.name: ckpt.shard_of(o.pieces[0].release) for o in outs}  # an output lives with its first source
-        specs = {o.name: _out_spec(ckpt, o, pairs, dtype) for o in outs}
-        shards = ckpt.index.shards
-        layout = {"format": LAYOUT_FORMAT, "naming": naming,
-                  "shards": {s: ckpt.reader(s).header_blob.decode("utf-8") for s in shards},
-                  "index": _read_text(src / INDEX_FILE), "config": config_text}
-        bar, task = progress_bar(progress, f"import {src.name}", sum(ckpt.info(n).nbytes for n in ckpt.names()))
-        with bar:
-            for shard in shards:
-                mine = [o for o in outs if home[o.name] == shard]
-                shard_scales = [n for n in ckpt.reader(shard).names() if n in scales]
-                summary.bytes_read += _import_shard(ckpt, shard, mine, specs, shard_scales, pairs, out, dtype,
-                                                   chunk_bytes, lambda n: bar.advance(task, n))
-                summary.tensors += len(mine)
-        side = out / SIDECAR
-        side.mkdir(exist_ok=True)
-        (side / LAYOUT_FILE).write_text(json.dumps(layout, indent=1) + "\n", encoding="utf-8")
-        write_index(side, {s: ckpt.shard_of(s) for s in sorted(scales)}, sum(ckpt.info(s).nbytes for s in scales))
-        summary.bytes_written = sum(s.nbytes for s in specs.values())
-        write_index(out, home, summary.bytes_written, {"format": "pt"})
-        if config_text is not None:
-            config = json.loads(config_text)
-            config.pop("quantization_config", None)  # the imported weights are no longer quantized
-            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        copy_files(src, out, {INDEX_FILE, "config.json"})
-        if verify:
-            summary.notes.append(_verify_import(ckpt, out, outs, naming, pairs, chunk_bytes))
+        config_text = read_source_file(src / "config.json", required=True, what="config.json")
+        index_text = read_source_file(src / INDEX_FILE, required=False, what="index")
+        extras = check_against_census(ckpt, config_text, src / "config.json", allow_extra)
+        if extras:
+            summary.notes.append(f"passed through {len(extras)} tensor(s) the config does not have, e.g. {extras[0]}")
+        identity = source_identity(ckpt, {"config.json": config_text, INDEX_FILE: index_text},
+                                   {"dtype": str(dtype).removeprefix("torch."), "naming": naming,
+                                    "allow_extra": allow_extra})
+        with staging(dst, overwrite, resume, identity) as out:
+            _import(ckpt, src, out, config_text, index_text, pairs, dtype, naming, chunk_bytes, verify, progress,
+                    summary)
     summary.seconds = time.perf_counter() - start
     return summary
 
 
-def _read_text(path: Path) -> str | None:
-    """A file's text, or None if absent."""
-    return path.read_text(encoding="utf-8") if path.exists() else None
+def check_against_census(ckpt: CheckpointReader, config_text: str, config_path: Path, allow_extra: bool) -> list[str]:
+    """Every tensor the config's census needs, with its dtype and shape; returns the extra tensors (if allowed)."""
+    config = DSV41FlashConfig.from_hf(parse_json_text(config_text, config_path), source=str(config_path))
+    expected = census(config)
+    actual = [StoredTensor(n, ckpt.info(n).dtype, tuple(ckpt.info(n).shape)) for n in ckpt.names()]
+    problems = diff_census(expected, actual)
+    extras = [p.split(" ")[1] for p in problems if p.startswith("unexpected: ")]
+    wrong = [p for p in problems if not p.startswith("unexpected: ") or not allow_extra]
+    if wrong:
+        more = (f" (and {len(wrong) - 1} more; `dsv4flash census --config {config_path} --checkpoint "
+                f"{ckpt.directory}` lists them)") if len(wrong) > 1 else ""
+        hint = "; pass allow_extra (--allow-extra) to pass unknown tensors through" \
+            if wrong[0].startswith("unexpected: ") else ""
+        raise ConvertError(f"{ckpt.directory}: does not match the census of {config_path}: {wrong[0]}{more}{hint}")
+    return extras
+
+
+def _import(ckpt, src: Path, out: Path, config_text: str, index_text: str | None, pairs, dtype, naming, chunk_bytes,
+            verify, progress, summary: Summary) -> None:
+    """Write the import into the staging directory `out`."""
+    scales = {s for _, s in pairs.values()}
+    outs = output_tensors([n for n in ckpt.names() if n not in scales], lambda n: ckpt.info(n).rows, naming,
+                          vision_heads(config_text))
+    home = {o.name: ckpt.shard_of(o.pieces[0].release) for o in outs}  # an output lives with its first source
+    specs = {o.name: _out_spec(ckpt, o, pairs, dtype) for o in outs}
+    shards = ckpt.index.shards
+    layout = {"format": LAYOUT_FORMAT, "naming": naming,
+              "shards": {s: ckpt.reader(s).header_blob.decode("utf-8") for s in shards},
+              "index": index_text, "config": config_text}
+    bar, task = progress_bar(progress, f"import {src.name}", sum(ckpt.info(n).nbytes for n in ckpt.names()))
+    with bar:
+        for shard in shards:
+            mine = [o for o in outs if home[o.name] == shard]
+            shard_scales = [n for n in ckpt.reader(shard).names() if n in scales]
+            summary.bytes_read += _import_shard(ckpt, shard, mine, specs, shard_scales, pairs, out, dtype,
+                                               chunk_bytes, lambda n: bar.advance(task, n))
+            summary.tensors += len(mine)
+    side = out / SIDECAR
+    side.mkdir(exist_ok=True)
+    (side / LAYOUT_FILE).write_text(json.dumps(layout, indent=1) + "\n", encoding="utf-8")
+    write_index(side, {s: ckpt.shard_of(s) for s in sorted(scales)}, sum(ckpt.info(s).nbytes for s in scales))
+    summary.bytes_written = sum(s.nbytes for s in specs.values())
+    write_index(out, home, summary.bytes_written, {"format": "pt"})
+    config = json.loads(config_text)
+    config.pop("quantization_config", None)  # the imported weights are no longer quantized
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    copy_files(src, out, {INDEX_FILE, "config.json"})
+    if verify:
+        summary.notes.append(_verify_import(ckpt, out, outs, naming, pairs, chunk_bytes))
 
 
 def _out_spec(ckpt: CheckpointReader, out: OutTensor, pairs, dtype: torch.dtype) -> TensorSpec:

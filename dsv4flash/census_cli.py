@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dsv4flash.census import checkpoint_census, census, diff_census, format_tsv
-from dsv4flash.config import FLAVOURS
+from dsv4flash.census import CensusError, checkpoint_census, census, diff_census, format_tsv
+from dsv4flash.config import FLAVOURS, ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,12 +18,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the census (TSV) or the differences against a checkpoint (exit 1 when any)."""
-    expected = census(args.config)
-    if not args.checkpoint:
+    """Print the census (TSV) or the differences against a checkpoint (exit 1 when any, 2 on a bad input)."""
+    try:
+        expected = census(args.config)
+        actual = checkpoint_census(args.checkpoint) if args.checkpoint else None
+    except (CensusError, ConfigError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if actual is None:
         sys.stdout.write(format_tsv(expected))
         return 0
-    differences = diff_census(expected, checkpoint_census(args.checkpoint))
+    differences = diff_census(expected, actual)
     for line in differences:
         print(line)
     print(f"{len(differences)} difference(s) between config `{args.config}` and {args.checkpoint}",

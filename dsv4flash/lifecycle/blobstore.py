@@ -2,12 +2,14 @@
 
 A blob becomes visible only by `os.replace` of a fully written, fsynced temp file onto its content
 address, followed by an fsync of the directory; a crash at any point leaves either no blob or a
-complete one, plus at worst a stale `tmp/*.part` file that `gc` removes after a grace period. The
+complete one, plus at worst the dead writer's `tmp/*.part` file, which the next opening of the store
+removes (each live writer holds an flock on its temp file; the kernel drops it when the process dies). The
 same bytes always land at the same address, so a repeated publish is a no-op.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import time
@@ -53,8 +55,14 @@ class BlobWriter:
 
     def __init__(self, store: "BlobStore", expected_size: int | None = None):
         self._store = store
-        self._tmp = store.tmp_dir / f"{uuid.uuid4().hex}.part"
-        self._file = open(self._tmp, "wb")
+        name = uuid.uuid4().hex
+        # Locked before it gets its `.part` name, so a sweeper never sees an unlocked live temp file; the lock
+        # dies with the process (even on SIGKILL), which is how `dead_temp_files` tells a dead writer's file.
+        opening = store.tmp_dir / f"{name}.opening"
+        self._file = open(opening, "wb")
+        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._tmp = store.tmp_dir / f"{name}.part"
+        os.replace(opening, self._tmp)
         self._hash = hashlib.sha256()
         self._written = 0
         self._half = (expected_size or 0) // 2
@@ -79,7 +87,6 @@ class BlobWriter:
         crashpoint("blob.before_fsync")
         self._file.flush()
         os.fsync(self._file.fileno())
-        self._file.close()
         key = self._hash.hexdigest()
         final = self._store.path(key)
         crashpoint("blob.before_rename")
@@ -88,18 +95,19 @@ class BlobWriter:
             os.utime(final)  # a fresh mtime keeps gc's grace period from collecting it mid-publish
         else:
             final.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(self._tmp, final)
+            os.replace(self._tmp, final)  # still open and locked: no sweeper can take it before the rename
             fsync_dir(final.parent)
+        self._file.close()
         crashpoint("blob.after_rename")
         self.key = key
         return key
 
     def abort(self) -> None:
-        """Drop the temp file."""
+        """Drop the temp file (unlinked while still locked, then closed)."""
+        if self.key is None:
+            self._tmp.unlink(missing_ok=True)
         if not self._file.closed:
             self._file.close()
-        if self._tmp.exists():
-            os.unlink(self._tmp)
 
     def __enter__(self) -> "BlobWriter":
         return self
@@ -118,6 +126,7 @@ class BlobStore:
         self.tmp_dir = self.root / "tmp"
         self.objects.mkdir(parents=True, exist_ok=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self.swept_on_open = self.sweep_dead_temp_files()
 
     def path(self, key: str) -> Path:
         """Where blob `key` lives (whether or not it exists)."""
@@ -179,6 +188,50 @@ class BlobStore:
                     yield BlobInfo(entry.name, st.st_size, st.st_mtime)
 
     def stale_temp_files(self, older_than_s: float) -> list[Path]:
-        """Temp files of writers that died more than `older_than_s` seconds ago."""
+        """Temp files no live writer holds: dead writers' at once, where locks cannot tell, after `older_than_s`."""
         cutoff = time.time() - older_than_s
-        return [p for p in self.tmp_dir.glob("*.part") if p.stat().st_mtime < cutoff]
+        found = []
+        for p, state in self._temp_states():
+            try:
+                if state == "dead" or (state == "unknown" and p.stat().st_mtime < cutoff):
+                    found.append(p)
+            except FileNotFoundError:  # committed or swept meanwhile
+                pass
+        return found
+
+    def dead_temp_files(self) -> list[Path]:
+        """Temp files whose writer process is gone (its lock was released by the kernel when it died)."""
+        return [p for p, state in self._temp_states() if state == "dead"]
+
+    def _temp_states(self) -> list[tuple[Path, str]]:
+        """Each temp file with "live" (its writer holds the lock), "dead" or "unknown" (no locks here)."""
+        states = []
+        for p in sorted([*self.tmp_dir.glob("*.part"), *self.tmp_dir.glob("*.opening")]):
+            if p.suffix == ".opening":  # killed between create and lock+rename: only the age can tell
+                states.append((p, "unknown"))
+                continue
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                states.append((p, "dead"))
+            except BlockingIOError:
+                states.append((p, "live"))
+            except OSError:  # ENOLCK / EOPNOTSUPP: this filesystem cannot tell
+                states.append((p, "unknown"))
+            finally:
+                os.close(fd)  # releases our probe lock too
+        return states
+
+    def sweep_dead_temp_files(self) -> int:
+        """Remove what killed writers left in tmp/ (done whenever a store is opened); returns the count."""
+        count = 0
+        for p in self.dead_temp_files():
+            try:
+                p.unlink()
+                count += 1
+            except FileNotFoundError:
+                pass
+        return count

@@ -16,6 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", required=True, help="store root (blobs/ and, by default, catalog.sqlite)")
     parser.add_argument("--catalog", default=None, help="catalog URL (default: <root>/catalog.sqlite; postgresql://… for shared)")
     sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("init", help="create an empty store at --root (every other command needs an existing one)")
     sub.add_parser("policies", help="list policies with head, tags and state")
     show = sub.add_parser("show", help="one revision: row, lineage, children, evals")
     show.add_argument("ref", help="revision id, ≥6-hex prefix, policy or policy:tag")
@@ -46,12 +47,34 @@ def _short(rev: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Execute one subcommand; prints plain text (JSON for `show`)."""
+    """Execute one subcommand; prints plain text (JSON for `show`). A user or catalog error: one line, exit 2."""
+    import sqlite3
+    import sys
+
+    from dsv4flash.lifecycle.errors import LifecycleError
+
+    try:
+        return _run(args)
+    except (LifecycleError, ValueError, KeyError, FileExistsError, sqlite3.DatabaseError, OSError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        if not type(exc).__module__.startswith("psycopg"):
+            raise
+        print(f"error: catalog {args.catalog}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}",
+              file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     from dsv4flash.lifecycle.store import AdapterStore
 
-    with AdapterStore(args.root, args.catalog) as store:
+    with AdapterStore.open(args.root, args.catalog, create=args.action == "init") as store:
         cat = store.catalog
-        if args.action == "policies":
+        if args.action == "init":
+            print(f"store at {store.root} (catalog {args.catalog or store.root / 'catalog.sqlite'})")
+        elif args.action == "policies":
             for name in cat.list_policies():
                 p = cat.policy(name)
                 tags = " ".join(f"{t}={_short(r)}" for t, r in sorted(p.tags.items()))
@@ -64,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
                    "bytes_present": store.blobs.exists(rev.id)}
             print(json.dumps(out, indent=2, sort_keys=True))
         elif args.action == "log":
+            cat.policy(args.policy)  # an unknown policy is an error, not an empty listing
             if args.tag:
                 for m in cat.tag_history(args.policy, args.tag)[-args.n:]:
                     print(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(m.at))} {m.reason:8s} {_short(m.previous)} -> {_short(m.revision)}")

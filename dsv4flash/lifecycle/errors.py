@@ -11,6 +11,8 @@ __all__ = [
     "HeadConflictError",
     "IntegrityError",
     "ReferencedRevisionError",
+    "StoreNotFoundError",
+    "CatalogUnreadableError",
 ]
 
 
@@ -50,3 +52,11 @@ class IntegrityError(LifecycleError):
 
 class ReferencedRevisionError(LifecycleError):
     """A revision cannot be retired because a tag or a policy head still points at it."""
+
+
+class StoreNotFoundError(LifecycleError):
+    """No store at the given root (creating one is explicit: `AdapterStore.open(..., create=True)` / `init`)."""
+
+
+class CatalogUnreadableError(LifecycleError):
+    """The catalog database cannot be opened or read (not a database, corrupt, unreachable)."""

@@ -12,6 +12,7 @@ leaves the complete new revision. Readers therefore see the old or the new head,
 from __future__ import annotations
 
 import os
+import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,9 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from dsv4flash.lifecycle.blobstore import BlobStore
-from dsv4flash.lifecycle.catalog import ANY_HEAD, Catalog, PolicyRecord, RevisionRecord, StateRecord, open_catalog
-from dsv4flash.lifecycle.errors import LifecycleError
+from dsv4flash.lifecycle.catalog import (ANY_HEAD, Catalog, PolicyRecord, RevisionRecord, StateRecord, is_database_url,
+                                         open_catalog)
+from dsv4flash.lifecycle.errors import CatalogUnreadableError, LifecycleError, StoreNotFoundError
 from dsv4flash.lifecycle.fingerprint import BaseFingerprint
 from dsv4flash.lifecycle.loader import LoadedRevision, read_revision_blob
 from dsv4flash.lifecycle.packed import PackedMoELoRA
@@ -53,6 +55,32 @@ class AdapterStore:
         if catalog is None:
             catalog = self.root / "catalog.sqlite"
         self.catalog = catalog if isinstance(catalog, Catalog) else open_catalog(catalog)
+
+    @classmethod
+    def open(cls, root: str | os.PathLike, catalog: str | os.PathLike | None = None, *,
+             create: bool = False) -> "AdapterStore":
+        """Open the store at `root`; unless `create`, a missing root or default catalog is an error, not a new store."""
+        root = Path(root)
+        default = catalog is None
+        path = root / "catalog.sqlite" if default else None
+        if not default and not is_database_url(os.fspath(catalog)):
+            path = Path(os.fspath(catalog).removeprefix("sqlite:///"))
+        if not create:
+            if not root.is_dir():
+                raise StoreNotFoundError(f"{root}: no adapter store here (create one with "
+                                         f"`dsv4flash lifecycle --root {root} init`)")
+            if path is not None and not path.is_file():
+                raise StoreNotFoundError(f"{path}: no catalog; {root} is not an adapter store (create one with "
+                                         f"`dsv4flash lifecycle --root {root} init`)")
+        try:
+            return cls(root, catalog)
+        except (sqlite3.DatabaseError, OSError) as exc:
+            raise CatalogUnreadableError(f"{path or catalog}: cannot open the catalog ({exc})") from None
+        except Exception as exc:
+            if type(exc).__module__.startswith("psycopg"):
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise CatalogUnreadableError(f"{catalog}: cannot open the catalog ({first})") from None
+            raise
 
     # ---- policies ----
     def create_policy(self, name: str, base: BaseFingerprint, meta: Mapping[str, Any] | None = None) -> PolicyRecord:
@@ -159,7 +187,7 @@ class AdapterStore:
                 continue
             deleted += 1
             freed += blob.size if dry_run else self.blobs.delete(blob.key)
-        temps = self.blobs.stale_temp_files(grace_s)
+        temps = self.blobs.stale_temp_files(grace_s)  # never a live writer's; a dead one's whatever its age
         if not dry_run:
             for p in temps:
                 p.unlink(missing_ok=True)

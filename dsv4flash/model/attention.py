@@ -47,7 +47,8 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
 
     q: [B,S,H,hd]; keys: [B,K,hd]; allowed: [B,S,K] bool; sink: [H] -> [B,S,H,hd].
     """
-    logits = torch.einsum("bshd,bkd->bhsk", q, keys.to(q.dtype)).float() * scale
+    # Scores in fp32 as the release kernel keeps them: a bf16 QK product would round before the softmax.
+    logits = torch.einsum("bshd,bkd->bhsk", q.float(), keys.float()) * scale  # [B,H,S,K] fp32
     logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
     sink_logits = sink.float().view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
     probs = torch.softmax(torch.cat([logits, sink_logits], dim=-1), dim=-1)[..., :-1]  # fp32 denominator

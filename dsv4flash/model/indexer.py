@@ -5,6 +5,9 @@ The selection is discrete, so indexer parameters receive no LM gradient (the rel
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -27,6 +30,43 @@ def topk_lowest_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     """
     order = torch.sort(scores, dim=-1, descending=True, stable=True)
     return order.values[..., :k], order.indices[..., :k]
+
+
+TIE_RULES = ("lowest_first", "kernel")
+_tie_rule = ["lowest_first"]
+
+
+def topk_select(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k under the active tie rule: "lowest_first" (the default, deterministic) or "kernel" (`torch.topk`).
+
+    The release picks with `torch.topk` on CUDA, whose order among exactly equal scores is unspecified;
+    "kernel" lets a parity check run the reference the way the release's device would.
+    """
+    if _tie_rule[0] == "kernel":
+        values, indices = torch.topk(scores, k, dim=-1)
+        return values, indices
+    return topk_lowest_first(scores, k)
+
+
+@contextmanager
+def tie_rule(rule: str) -> Iterator[None]:
+    """Run the indexers (reference and Megatron) with top-k tie rule `rule` inside the block."""
+    if rule not in TIE_RULES:
+        raise ValueError(f"tie rule must be one of {TIE_RULES}, got {rule!r}")
+    previous, _tie_rule[0] = _tie_rule[0], rule
+    try:
+        yield
+    finally:
+        _tie_rule[0] = previous
+
+
+def same_selection_up_to_ties(scores: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two top-k picks [.., k] from `scores` [.., T] agree but for the order among equal scores (-1 = no pick)."""
+    def picked(idx):
+        got = scores.gather(-1, idx.clamp(min=0)).masked_fill(idx < 0, float("nan"))
+        return got.sort(dim=-1, descending=True).values
+    return a.shape == b.shape and torch.equal(picked(a).nan_to_num(-7.0), picked(b).nan_to_num(-7.0)) and \
+        torch.equal((a < 0).sum(-1), (b < 0).sum(-1))
 
 
 class Indexer(nn.Module):
@@ -78,7 +118,7 @@ class Indexer(nn.Module):
         pin = (torch.arange(n_blocks, device=scores.device) == newest[:, None]) & (lengths[:, None] > 0)
         block_scores = block_scores.masked_fill(pin, float("inf"))
         keep = min(self.topk_blocks, n_blocks)
-        values, indices = topk_lowest_first(block_scores, keep)
+        values, indices = topk_select(block_scores, keep)
         chosen = torch.zeros_like(block_scores, dtype=torch.bool)
         chosen.scatter_(-1, indices, values > float("-inf"))
         return chosen.repeat_interleave(self.block_size, dim=-1)[..., :total]
@@ -87,6 +127,6 @@ class Indexer(nn.Module):
         """Top-k compressed positions per query, re-sorted by position; unreachable picks become −1. -> [B,S,k]."""
         batch, seq, total = scores.shape
         k = min(self.topk, seq // ratio)  # the chunk end (prefill from 0), shared by every query
-        idx = topk_lowest_first(scores, k)[1].sort(dim=-1).values
+        idx = topk_select(scores, k)[1].sort(dim=-1).values
         reach = visible_lengths(seq, ratio, scores.device)[:, None]  # [S,1]
         return torch.where(idx < reach, idx, torch.full_like(idx, -1))

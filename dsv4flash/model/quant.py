@@ -64,9 +64,24 @@ def _fp4_pow2_scaled(x: torch.Tensor, block: int) -> torch.Tensor:
     return (round_e2m1(xb / scale) * scale).reshape(x.shape).to(x.dtype)
 
 
+class _StraightThrough(torch.autograd.Function):
+    """Forward: exactly the quantized values. Backward: the incoming gradient passes to x unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+        return quantized
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 def _straight_through(x: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
-    # forward value = quantized, gradient = identity
-    return x + (quantized - x).detach()
+    # Not `x + (q - x).detach()`: in bf16 that sum rounds when the quantization error is large (a saturated
+    # block gives -2816 where the release's kernel stores -2688), so the forward would not be the release's.
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return quantized
+    return _StraightThrough.apply(x, quantized)
 
 
 def fake_quant_window_kv(x: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 LOSS_INPUTS = {"cross_entropy": ("target_tokens", "weights"),
@@ -22,6 +23,29 @@ def check_inputs(loss_fn: str, index: int, inputs: dict) -> None:
     if missing:
         raise KeyError(f"datum {index}: loss_fn {loss_fn!r} needs loss_fn_inputs {list(LOSS_INPUTS[loss_fn])}, "
                        f"missing {missing}")
+
+
+def check_datum(index: int, datum, vocab_size: int, keys=None) -> None:
+    """Raise naming the datum, key and position when tokens, targets or per-token inputs are malformed.
+
+    Every loss input is one value per target token: a 1-D tensor as long as the model input (a 2-D
+    `target_tokens` is refused, not flattened), float inputs finite, token ids inside the vocabulary.
+    """
+    from dsv4flash.service.types import check_token_ids
+
+    tokens = datum.model_input.to_ints()
+    check_token_ids(tokens, vocab_size, f"datum {index}: model_input")
+    for key in (keys if keys is not None else datum.loss_fn_inputs):
+        value = datum.loss_fn_inputs[key].to_numpy()
+        if value.ndim != 1 or value.shape[0] != len(tokens):
+            raise ValueError(f"datum {index}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}, expected "
+                             f"[{len(tokens)}] (one value per model_input token)")
+        if key == "target_tokens":
+            check_token_ids(value.tolist(), vocab_size, f"datum {index}: target_tokens")
+        elif value.dtype.kind == "f" and not np.isfinite(value).all():
+            position = int(np.flatnonzero(~np.isfinite(value))[0])
+            raise ValueError(f"datum {index}: loss_fn_inputs[{key!r}] position {position} is {value[position]}, "
+                             f"expected a finite number")
 
 
 def datum_loss(loss_fn: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict | None) -> torch.Tensor:

@@ -8,9 +8,19 @@ import torch
 import torch.nn.functional as F
 
 from dsv4flash.service.futures import APIFuture, OrderedExecutor
-from dsv4flash.service.types import ModelInput, SampledSequence, SampleResponse, SamplingParams
+from dsv4flash.service.types import ModelInput, SampledSequence, SampleResponse, SamplingParams, check_token_ids
 
 _ids = itertools.count()
+
+
+def check_sample_request(ids: list[int], num_samples: int, params: SamplingParams, vocab_size: int) -> None:
+    """Raise naming the field or prompt position when a sample request is malformed."""
+    if not ids:
+        raise ValueError("sample: empty prompt")
+    check_token_ids(ids, vocab_size, "sample: prompt")
+    if num_samples < 1:
+        raise ValueError(f"sample: num_samples must be ≥ 1, got {num_samples}")
+    params.check()
 
 
 def process_logits(last: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -76,6 +86,7 @@ class SamplingClient:
     def _prompt_logprobs(self, ids: list[int]) -> list[float | None]:
         if not ids:
             raise ValueError("compute_logprobs: empty prompt")
+        check_token_ids(ids, self.service.base.cfg.text.vocab_size, "compute_logprobs: prompt")
         with self._model() as model, torch.no_grad():
             logits = model(torch.tensor([ids]))  # [1,L,V]
         lp = F.log_softmax(logits[0, :-1].float(), -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
@@ -84,10 +95,7 @@ class SamplingClient:
     def _sample(self, ids: list[int], n: int, params: SamplingParams, seed: int, prompt_lp: bool,
                 prefill=None) -> SampleResponse:
         """prefill: a future of this client's first-step logits [n, V] computed elsewhere (shared encoder)."""
-        if not ids:
-            raise ValueError("sample: empty prompt")
-        if n < 1:
-            raise ValueError(f"sample: num_samples must be ≥ 1, got {n}")
+        check_sample_request(ids, n, params, self.service.base.cfg.text.vocab_size)
         stop = self.service.stop_ids(params.stop)
         max_tokens = params.max_tokens if params.max_tokens is not None else 16
         gen = torch.Generator().manual_seed(seed)

@@ -44,6 +44,7 @@ class SharedSampling:
 def sample_shared(clients: list, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
                   include_prompt_logprobs: bool = False) -> SharedSampling:
     """`client.sample(prompt, num_samples, sampling_params)` for every client, sharing the encoder prefill."""
+    from dsv4flash.service.sampling import check_sample_request
     from dsv4flash.service.shared_encoder import sharing_refusal
 
     if not clients:
@@ -52,8 +53,7 @@ def sample_shared(clients: list, prompt: ModelInput, num_samples: int, sampling_
     if any(c.service.base is not service.base for c in clients):
         raise ValueError("sample_shared: every client must sample from the same resident base")
     ids = prompt.to_ints()
-    if not ids:
-        raise ValueError("sample_shared: empty prompt")
+    check_sample_request(ids, int(num_samples), sampling_params, service.base.cfg.text.vocab_size)
     out = SharedSampling([])
     for i, c in enumerate(clients):
         reason = ("no adapter: the bare base runs its own prefill" if c.adapter is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 from typing import Any
 
@@ -13,6 +14,10 @@ from dsv4flash.service.futures import APIFuture, OrderedExecutor
 from dsv4flash.service.types import (AdamParams, Datum, ForwardBackwardOutput, GetInfoResponse, LoadWeightsResponse,
                                      ModelData, OptimStepResponse, ParsedCheckpointTinkerPath, SaveWeightsForSamplerResponse,
                                      SaveWeightsResponse, TensorData)
+
+
+class NonFiniteError(ValueError):
+    """A loss, gradient or update that is NaN or infinite; the call is refused and the adapter left as it was."""
 
 
 def target_logprobs(model, data: list[Datum]) -> list[torch.Tensor]:
@@ -131,8 +136,10 @@ class TrainingClient:
     def _forward_backward(self, data, loss_fn, loss_fn_config, backward: bool) -> ForwardBackwardOutput:
         if not data:
             raise ValueError("forward_backward: empty data list")
+        vocab = self.service.base.cfg.text.vocab_size
         for i, d in enumerate(data):
             losses.check_inputs(loss_fn, i, d.loss_fn_inputs)
+            losses.check_datum(i, d, vocab, [k for k in d.loss_fn_inputs if k in losses.LOSS_INPUTS[loss_fn]])
         base = self.service.base
         with base.bind(self.placement, self.adapter) as model, torch.set_grad_enabled(backward):
             logps = target_logprobs(model, data)
@@ -140,7 +147,9 @@ class TrainingClient:
                                      loss_fn_config) for lp, d in zip(logps, data)]
             total = torch.stack(per).sum()
             if backward:
-                total.backward()
+                self._accumulate_gradients(total, f"forward_backward({loss_fn!r})")
+            elif not torch.isfinite(total):
+                raise NonFiniteError(f"forward({loss_fn!r}): the loss is {float(total)}")
         outputs = [{"logprobs": TensorData.from_torch(lp.detach()), "loss": TensorData.from_torch(l.detach().reshape(1))}
                    for lp, l in zip(logps, per)]
         return ForwardBackwardOutput(loss_fn, outputs, {"loss:sum": float(total.detach())})
@@ -150,9 +159,11 @@ class TrainingClient:
         # does a forward, then a second forward_backward with the loss's gradient w.r.t. the log-probs).
         if not data:
             raise ValueError("forward_backward_custom: empty data list")
+        vocab = self.service.base.cfg.text.vocab_size
         for i, d in enumerate(data):
             if "target_tokens" not in d.loss_fn_inputs:
                 raise KeyError(f"datum {i}: forward_backward_custom needs loss_fn_inputs['target_tokens']")
+            losses.check_datum(i, d, vocab, ["target_tokens"])  # the other inputs are the custom loss's own
         with self.service.base.bind(self.placement, self.adapter) as model, torch.enable_grad():
             logps = target_logprobs(model, data)
             returned = loss_fn(data, logps)
@@ -161,13 +172,33 @@ class TrainingClient:
             loss, metrics = returned
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
                 raise ValueError("forward_backward_custom: the loss must be a scalar tensor computed from the logprobs")
-            loss.reshape(()).backward()
+            self._accumulate_gradients(loss.reshape(()), "forward_backward_custom")
         outputs = [{"logprobs": TensorData.from_torch(lp.detach())} for lp in logps]
         return ForwardBackwardOutput("custom", outputs, {**{k: float(v) for k, v in (metrics or {}).items()},
                                                          "loss:sum": float(loss.detach())})
 
+    def _accumulate_gradients(self, loss: torch.Tensor, what: str) -> None:
+        """Add d loss / d adapter to the accumulated gradients, or refuse (nothing added) if any is non-finite."""
+        if not torch.isfinite(loss):
+            raise NonFiniteError(f"{what}: the loss is {float(loss.detach())}; refused, gradients and adapter "
+                                 f"unchanged")
+        names = list(self.adapter)
+        grads = torch.autograd.grad(loss, [self.adapter[n] for n in names], allow_unused=True)
+        for name, grad in zip(names, grads):
+            if grad is not None and not torch.isfinite(grad).all():
+                raise NonFiniteError(f"{what}: the gradient of adapter tensor {name} is not finite; refused, "
+                                     f"gradients and adapter unchanged")
+        for name, grad in zip(names, grads):
+            if grad is not None:
+                param = self.adapter[name]
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
+
     def _optim_step(self, hp: AdamParams) -> OptimStepResponse:
+        hp.check()
         params = list(self.adapter.values())
+        before = {k: p.detach().clone() for k, p in self.adapter.items()}
+        previous = self.optimizer
+        saved = copy.deepcopy(previous.state_dict()) if previous is not None else None
         if self.optimizer is None:
             self.optimizer = torch.optim.AdamW(params, lr=hp.learning_rate)
         for g in self.optimizer.param_groups:
@@ -176,6 +207,17 @@ class TrainingClient:
         if hp.grad_clip_norm > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(params, hp.grad_clip_norm))
         self.optimizer.step()
+        bad = next((k for k, p in self.adapter.items() if not torch.isfinite(p).all()), None)
+        if bad is not None:  # undo: weights and moments as before the step; the gradients stay for a retry
+            with torch.no_grad():
+                for k, p in self.adapter.items():
+                    p.copy_(before[k])
+            if previous is None:
+                self.optimizer = None
+            else:
+                previous.load_state_dict(saved)
+            raise NonFiniteError(f"optim_step: the update makes adapter tensor {bad} non-finite; refused, adapter "
+                                 f"and optimizer state unchanged")
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return OptimStepResponse({"step": float(self.step), **({"grad_norm": norm} if norm is not None else {})})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime
 from dataclasses import dataclass, field
@@ -123,6 +124,26 @@ class Datum:
         self.loss_fn_inputs = {k: to_tensor_data(v, k) for k, v in self.loss_fn_inputs.items()}
 
 
+def check_token_ids(ids, vocab_size: int, where: str) -> None:
+    """Raise naming `where` and the position when a token id is not an integer in [0, vocab_size)."""
+    arr = np.asarray(ids)
+    if arr.ndim == 1 and arr.dtype.kind in "iu":  # the common case, vectorized
+        bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+        if not bad.size:
+            return
+        ids = [int(arr[bad[0]])]
+        offset = int(bad[0])
+    else:
+        offset = 0
+    for position, token in enumerate(ids, offset):
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab_size:
+            raise ValueError(f"{where} position {position}: token id {token!r} is not an integer in [0, {vocab_size})")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
 @dataclass
 class SamplingParams:
     """Decoding parameters: stop holds token ids (or single-token strings)."""
@@ -133,6 +154,21 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
+
+    def check(self) -> None:
+        """Raise naming the field when a parameter is out of range (a silent fallback would sample wrongly)."""
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, (int, np.integer))
+                                            or isinstance(self.max_tokens, bool) or self.max_tokens < 1):
+            raise ValueError(f"SamplingParams.max_tokens: expected an integer ≥ 1 (or None), got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature: expected a finite number ≥ 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k: expected an integer ≥ 1, or 0/-1 for no limit, "
+                             f"got {self.top_k!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p: expected a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool)):
+            raise ValueError(f"SamplingParams.seed: expected an integer or None, got {self.seed!r}")
 
 
 @dataclass
@@ -145,6 +181,15 @@ class AdamParams:
     eps: float = 1e-12
     weight_decay: float = 0.0
     grad_clip_norm: float = 0.0
+
+    def check(self) -> None:
+        """Raise naming the field when a hyper-parameter would make the update non-finite or meaningless."""
+        for name, low, high in (("learning_rate", 0.0, math.inf), ("beta1", 0.0, 1.0), ("beta2", 0.0, 1.0),
+                                ("eps", 0.0, math.inf), ("weight_decay", 0.0, math.inf),
+                                ("grad_clip_norm", 0.0, math.inf)):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or not low <= value < high:
+                raise ValueError(f"AdamParams.{name}: expected a finite number in [{low}, {high}), got {value!r}")
 
 
 @dataclass

@@ -208,5 +208,5 @@ def test_cli_round_trip_and_error(release, tmp_path, capsys):
     assert cli_main(["convert", "import", str(release), str(tmp_path / "i"), "--no-progress", "--chunk-mb", "1"]) == 0
     assert cli_main(["convert", "export", str(tmp_path / "i"), str(tmp_path / "e"), "--no-progress", "--verify"]) == 0
     assert files(tmp_path / "e") == files(release)
-    assert cli_main(["convert", "import", str(release), str(tmp_path / "i"), "--no-progress"]) == 1
+    assert cli_main(["convert", "import", str(release), str(tmp_path / "i"), "--no-progress"]) == 2
     assert "already exists" in capsys.readouterr().err

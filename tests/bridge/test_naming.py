@@ -191,5 +191,5 @@ def test_mid_config_keeps_the_release_structure():
 
 
 def test_cli_writes_a_mid_checkpoint_and_rejects_a_bad_one(tmp_path, capsys):
-    assert cli_main(["convert", "synthetic", str(tmp_path / "bad"), "--config", "mid", "--hidden", "200"]) == 1
+    assert cli_main(["convert", "synthetic", str(tmp_path / "bad"), "--config", "mid", "--hidden", "200"]) == 2
     assert "multiple of 128" in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -7,14 +7,9 @@ socket, stopped at the end of the session. Tests that need it skip only when no 
 
 from __future__ import annotations
 
-import glob
 import os
-import pwd
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -24,61 +19,23 @@ HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 
 
-def _pg_bin() -> Path | None:
-    for d in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(p.split("/")[-2]) if p.split("/")[-2].isdigit() else 0, reverse=True):
-        if os.access(f"{d}/initdb", os.X_OK) and os.access(f"{d}/pg_ctl", os.X_OK):
-            return Path(d)
-    found = shutil.which("initdb")
-    return Path(found).parent if found and shutil.which("pg_ctl") else None
-
-
-def _server_user() -> str | None:
-    """A non-root account to own the cluster (created if the machine runs as root and has none)."""
-    if os.geteuid() != 0:
-        return None
-    try:
-        pwd.getpwnam("postgres")
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "postgres"], check=True)
-    return "postgres"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def pg_server():
     """DSN (libpq keywords) of a throwaway PostgreSQL server for this test session."""
-    bindir = _pg_bin()
-    if bindir is None:
+    from dsv4flash.lifecycle.catalog.pg_local import postgres_bin, throwaway_server
+
+    if postgres_bin() is None:
         pytest.skip("PostgreSQL server not installed (run ci/install_postgres.sh)")
     pytest.importorskip("psycopg", reason='psycopg 3 not installed (pip install "psycopg[binary]")')
-    user = _server_user()
-    root = Path(tempfile.mkdtemp(prefix="dsv4flash-pg-"))
-    data, sock, log = root / "data", root / "sock", root / "server.log"
-    sock.mkdir()
-    if user:
-        shutil.chown(root, user)
-        shutil.chown(sock, user)
-    as_user = {"user": user} if user else {}
-    subprocess.run([bindir / "initdb", "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"],
-                   check=True, capture_output=True, **as_user)
-    port = _free_port()
-    opts = f"-c listen_addresses='' -k {sock} -p {port} -c fsync=off -c synchronous_commit=off -c max_connections=200"
-    started = subprocess.run([bindir / "pg_ctl", "-D", data, "-o", opts, "-l", log, "-w", "-t", "60", "start"],
-                             capture_output=True, text=True, **as_user)
-    if started.returncode != 0:
-        text = log.read_text() if log.exists() else ""
-        shutil.rmtree(root, ignore_errors=True)
-        pytest.fail(f"could not start the test PostgreSQL server: {started.stderr}\n{text[-2000:]}")
     try:
-        yield f"host={sock} port={port} user=postgres dbname=postgres"
+        server = throwaway_server()
+        dsn = server.__enter__()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    try:
+        yield dsn
     finally:
-        subprocess.run([bindir / "pg_ctl", "-D", data, "-m", "immediate", "-w", "stop"], capture_output=True, **as_user)
-        shutil.rmtree(root, ignore_errors=True)
+        server.__exit__(None, None, None)
 
 
 @pytest.fixture()
@@ -147,31 +104,9 @@ def run_py():
     return run_python
 
 
-def fork_run(fn, *, crash_at: str | None = None) -> int:
-    """Run `fn()` in a forked child (optionally with a crash point armed); returns its wait status.
-
-    Forking keeps each crash case to milliseconds instead of a fresh interpreter's seconds; the child
-    does no torch compute (tensors are built before the fork), only file and database writes.
-    """
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 0
-        try:
-            if crash_at:
-                os.environ["DSV4FLASH_CRASH_AT"] = crash_at
-            fn()
-        except BaseException:  # noqa: BLE001 - report through the exit code
-            import traceback
-
-            traceback.print_exc()
-            code = 3
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return status
-
-
 @pytest.fixture()
 def fork():
-    """`fork_run(fn, crash_at=...)` -> wait status."""
+    """`fork_run(fn, crash_at=...)` -> wait status (the fault cases' forked child, `dsv4flash.faultcases.context`)."""
+    from dsv4flash.faultcases.context import fork_run
+
     return fork_run

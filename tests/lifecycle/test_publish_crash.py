@@ -85,7 +85,7 @@ def test_publish_killed_at(point, seeded, fork, tmp_path):
         assert fresh.load_adapter("pol").equal(adapter2)
 
 
-def test_kill_mid_write_leaves_partial_temp_only(seeded, fork):
+def test_kill_mid_write_leaves_a_temp_file_the_next_open_removes(seeded, fork):
     store, url, rev1, adapter2 = seeded
 
     def child():
@@ -94,9 +94,23 @@ def test_kill_mid_write_leaves_partial_temp_only(seeded, fork):
     fork(child, crash_at="blob.mid_write")
     parts = list(store.blobs.tmp_dir.glob("*.part"))
     assert len(parts) == 1 and 0 < parts[0].stat().st_size  # the half-written file exists …
-    assert store.gc(grace_s=3600).temp_files_deleted == 0  # … survives a gc inside the grace period …
-    assert store.gc(grace_s=0).temp_files_deleted == 1  # … and is collected after it
+    assert store.blobs.dead_temp_files() == parts  # … its writer's lock died with it …
+    assert store.gc(grace_s=3600).temp_files_deleted == 1  # … so gc takes it inside the grace period
+    fork(child, crash_at="blob.mid_write")
+    reopened = AdapterStore(store.root, open_catalog(url))  # and so does merely opening the store
+    assert reopened.blobs.swept_on_open == 1 and not list(store.blobs.tmp_dir.iterdir())
     assert store.policy("pol").head == rev1.id
+
+
+def test_a_live_writers_temp_file_is_never_swept(seeded):
+    store, url, rev1, adapter2 = seeded
+    with store.blobs.writer() as w:
+        w.write(b"x" * 1000)
+        assert AdapterStore(store.root, open_catalog(url)).blobs.swept_on_open == 0
+        assert store.gc(grace_s=0).temp_files_deleted == 0  # not even with no grace
+        assert store.blobs.dead_temp_files() == []
+        key = w.commit()
+    assert store.blobs.read_bytes(key) == b"x" * 1000
 
 
 def test_crash_in_fresh_interpreter(seeded, run_py):

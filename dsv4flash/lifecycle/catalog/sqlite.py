@@ -32,7 +32,30 @@ class SQLiteCatalog(SQLCatalog):
         self._cache_mb = cache_mb
         super().__init__()
 
+    def _check_file(self) -> None:
+        """Refuse a main file shorter than its own header says (a truncated copy reads as missing rows, not an error)."""
+        try:
+            with open(self.path, "rb") as fh:
+                header = fh.read(100)
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return  # a new catalog
+        if len(header) < 100:
+            if size:
+                raise sqlite3.DatabaseError(f"file is not a database ({size} bytes, shorter than the SQLite header)")
+            return
+        if header[:16] != b"SQLite format 3\x00":
+            raise sqlite3.DatabaseError("file is not a database")
+        page_size = int.from_bytes(header[16:18], "big")
+        page_size = 65536 if page_size == 1 else page_size
+        pages = int.from_bytes(header[28:32], "big")
+        valid = header[24:28] == header[92:96]  # the in-header size is trusted only when its counter matches
+        if valid and pages * page_size > size:
+            raise sqlite3.DatabaseError(f"database disk image is truncated: the header records {pages} pages of "
+                                        f"{page_size} bytes, the file has {size} bytes")
+
     def _connect(self) -> sqlite3.Connection:
+        self._check_file()
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=self._busy_timeout_ms / 1000)
         conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]

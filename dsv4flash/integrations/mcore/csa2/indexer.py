@@ -3,7 +3,8 @@
 Scores are computed for all queries against the row's entries at once. The discrete steps (candidate
 blocks, top-k) are taken per sequence: queries are grouped by their sequence's entry count T and each group
 is cut to exactly its own T entries before selection, so every selection runs on the same row a single
-sequence would present; ties, which ReLU makes common, go to the lower position (`topk_lowest_first`).
+sequence would present; ties, which ReLU makes common, go to the lower position unless a parity check
+switches the rule (`dsv4flash.model.indexer.topk_select` / `tie_rule`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from dsv4flash.integrations.mcore.csa2.layout import GroupTable
 from dsv4flash.integrations.mcore.csa2.modules import build_linear, linear_forward
-from dsv4flash.model.indexer import topk_lowest_first
+from dsv4flash.model.indexer import topk_select
 from dsv4flash.model.quant import fake_quant_index
 from dsv4flash.model.rope import apply_rope
 
@@ -101,7 +102,7 @@ class CSA2Indexer(MegatronModule):
             newest = (lengths - 1).clamp(min=0) // bs
             pin = (torch.arange(n_blocks, device=own.device) == newest[:, None]) & (lengths[:, None] > 0)
             block_scores = block_scores.masked_fill(pin, float("inf"))
-            values, indices = topk_lowest_first(block_scores, min(self.topk_blocks, n_blocks))
+            values, indices = topk_select(block_scores, min(self.topk_blocks, n_blocks))
             chosen = torch.zeros_like(block_scores, dtype=torch.bool)
             chosen.scatter_(-1, indices, values > float("-inf"))
             mask = chosen.repeat_interleave(bs, dim=-1)[:, :total]
@@ -119,7 +120,7 @@ class CSA2Indexer(MegatronModule):
         for rows, base, total in _per_sequence(table):
             own = _own_entries(scores, rows, base, total)
             k = min(self.topk, total)  # the sequence's own group count bounds k (REF: end_pos // ratio)
-            idx = topk_lowest_first(own, k)[1].sort(dim=-1).values
+            idx = topk_select(own, k)[1].sort(dim=-1).values
             picked = torch.where(idx < reach[rows].unsqueeze(-1), idx + base.unsqueeze(-1), torch.full_like(idx, -1))
             out[rows, :k] = picked
         return out.view(batch, seq, k_max)
