@@ -73,13 +73,15 @@ def test_delete_checkpoint_frees_the_name_and_gc_frees_the_bytes(service):
 
 def test_ttl_expires_checkpoints_and_a_name_can_be_saved_again(service):
     tc = _train(service)
-    short = tc.save_weights_for_sampler("short", ttl_seconds=0.2).result().path
+    # A TTL long enough that a loaded machine still reaches the "not yet expired" check; the wait below is
+    # taken from the recorded expiry, not from a guess of how long the saves took.
+    short = tc.save_weights_for_sampler("short", ttl_seconds=3.0).result().path
+    service.create_sampling_client(short)  # not yet expired
     keep = tc.save_state("keep", ttl_seconds=3600).result().path
     rest = service.create_rest_client()
     entry = {c.tinker_path: c for c in rest.list_checkpoints(tc.run_id).result().checkpoints}
     assert entry[short].expires_at is not None and entry[keep].expires_at > entry[short].expires_at
-    service.create_sampling_client(short)  # not yet expired
-    time.sleep(0.3)
+    time.sleep(max(0.0, entry[short].expires_at.timestamp() - time.time()) + 0.05)
     with pytest.raises(FileNotFoundError, match="expired"):
         service.create_sampling_client(short)
     assert [c.tinker_path for c in rest.list_checkpoints(tc.run_id).result().checkpoints] == [keep]
