@@ -13,6 +13,8 @@ packed per layer and projection, `layers.{i}.ffn.experts.{w}.lora_A/B.weight` `[
 | `vllm`, `megatron`| as is         | canonical (per-group stacks at rank r)                        | one 2-D LoRA per expert module     |
 | `packed`          | as is         | canonical                                                     | canonical (one tensor per layer)   |
 
+The opt-in router LoRA (`ffn.gate`, not an `nn.Linear`) is a `target_parameters` entry in `peft` as well.
+
 `peft` is what stock PEFT loads natively (`wo_a` is not an `nn.Linear`, so only a parameter LoRA reaches it;
 block-diagonal B makes group g see only B_g·A_g). vLLM loads it too, but at rank G·r every LoRA slot of every
 module is allocated at `max_lora_rank` ≥ G·r, so `vllm` keeps `wo_a` at rank r in the per-group stacks the
@@ -38,6 +40,7 @@ _FACTOR = re.compile(r"(?P<module>.+)\.lora_(?P<ab>[AB])\.weight")
 _PACKED = re.compile(r"(?P<stem>(?:.+\.)?layers\.\d+\.ffn\.experts)\.(?P<w>w[123])")
 _PER_EXPERT = re.compile(r"(?P<stem>(?:.+\.)?layers\.\d+\.ffn\.experts)\.(?P<e>\d+)\.(?P<w>w[123])")
 _GROUPED = re.compile(r"(?:.+\.)?attn\.wo_a")
+_ROUTER = re.compile(r"(?:.+\.)?ffn\.gate")  # not an nn.Linear either: PEFT reaches it as a parameter LoRA
 
 
 class AdapterLayoutError(ValueError):
@@ -108,6 +111,8 @@ def to_layout(canonical: Mapping[str, torch.Tensor], layout: str) -> LayoutTenso
                 groups = a.shape[0]
                 a, b = a.reshape(groups * a.shape[1], a.shape[2]), torch.block_diag(*b.unbind(0))
                 out.rank_scale[WO_A_RANK_KEY] = groups
+            out.parameters.append(f"{module}.weight")
+        elif layout == "peft" and _ROUTER.fullmatch(module):
             out.parameters.append(f"{module}.weight")
         elif not packed:
             out.modules.append(module)

@@ -2,9 +2,10 @@
 
 Tensor keys are `base_model.model.<name>` in one of the layouts of `layouts.py` — by default `peft`, which
 stock `PeftModel.from_pretrained(DeepseekV41ForCausalLM, dir)` loads with nothing missing or unexpected and
-vLLM's LoRA loader accepts. The `dsv4flash` section of the config names the layout, the `wo_a` / expert
-parameterisations and (when written from a model) the full `LoraConfig` and base geometry, so the directory
-alone rebuilds the placement. `dsv4flash-lora/1` directories (packed layout) still load.
+vLLM's LoRA loader accepts. Our section, `dsv4flash_adapter.json` next to the config (PEFT warns about unknown
+config keys), names the layout, the `wo_a` / expert parameterisations and (when written from a model) the full
+`LoraConfig` and base geometry, so the directory alone rebuilds the placement. Older directories carry it
+inline as `adapter_config.json["dsv4flash"]`; `dsv4flash-lora/1` ones (packed layout) still load.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dsv4flash_bridge.safetensors_io import save_file
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+SECTION_NAME = "dsv4flash_adapter.json"  # our section, beside (not in) the config: PEFT warns on unknown keys
 FORMAT = "dsv4flash-lora/2"
 LEGACY_FORMAT = "dsv4flash-lora/1"  # packed layout, the LoraConfig in the section
 
@@ -77,10 +79,15 @@ def write_adapter_dir(directory: str | os.PathLike, config: dict, tensors: dict[
                       overwrite: bool = False, what: str = "save_peft_adapter") -> Path:
     """Publish config + file tensors (keys without prefix) as an adapter directory (temp dir, fsync, rename)."""
 
+    config = dict(config)
+    section = config.pop("dsv4flash", None)
+
     def write(tmp: Path) -> None:
         save_file({PEFT_PREFIX + k: v.detach().cpu() for k, v in tensors.items()}, tmp / WEIGHTS_NAME,
                   {"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if section is not None:
+            (tmp / SECTION_NAME).write_text(json.dumps(section, indent=2, sort_keys=True) + "\n")
 
     return publish_directory(directory, write, overwrite=overwrite, what=what)
 
@@ -95,16 +102,33 @@ def save_peft_adapter(model: nn.Module, handle: LoraHandle | None, directory: st
 
 
 def read_adapter_config(directory: str | os.PathLike) -> dict:
-    """Parse and check `adapter_config.json` of a PEFT directory (clear errors naming the file)."""
+    """Parse and check `adapter_config.json` of a PEFT directory, with our section (from `dsv4flash_adapter.json`,
+    or inline in older directories) under "dsv4flash"; clear errors naming the file."""
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no {CONFIG_NAME} (not a PEFT adapter directory)")
+    data = _read_json(path)
+    if data.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type is {data.get('peft_type')!r}, expected 'LORA'")
+    sidecar = Path(directory) / SECTION_NAME
+    if sidecar.is_file():
+        data["dsv4flash"] = _read_json(sidecar)
+    return data
+
+
+def _section_path(directory: Path) -> Path:
+    """Where a directory's `dsv4flash` section lives (the sidecar, or inline in older directories)."""
+    sidecar = Path(directory) / SECTION_NAME
+    return sidecar if sidecar.is_file() else Path(directory) / CONFIG_NAME
+
+
+def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
-    if data.get("peft_type") != "LORA":
-        raise ValueError(f"{path}: peft_type is {data.get('peft_type')!r}, expected 'LORA'")
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -119,7 +143,7 @@ def read_adapter_tensors(directory: str | os.PathLike, hint: LoraConfig | None =
     directory without a `dsv4flash` section (a stock PEFT adapter)."""
     directory = Path(directory)
     data = read_adapter_config(directory)
-    layout, wo_a, experts = _layout_of(data, hint, directory / CONFIG_NAME)
+    layout, wo_a, experts = _layout_of(data, hint, _section_path(directory))
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: missing adapter weights")
@@ -143,9 +167,9 @@ def load_peft_adapter(model: nn.Module, directory: str | os.PathLike) -> LoraHan
     if handle is None:
         stored = stored_lora_config(data)
         if stored is None:
-            raise ValueError(f"{directory / CONFIG_NAME}: no '{FORMAT}' section with a lora_config, so the placement "
+            raise ValueError(f"{_section_path(directory)}: no '{FORMAT}' section with a lora_config, so the placement "
                              "cannot be rebuilt; apply_lora with the matching LoraConfig before loading")
-        _check_base(model, (data.get("dsv4flash") or {}).get("base", {}), directory / CONFIG_NAME)
+        _check_base(model, (data.get("dsv4flash") or {}).get("base", {}), _section_path(directory))
         handle = apply_lora(model, stored)
     elif (data.get("r"), float(data.get("lora_alpha", 0))) != (handle.config.rank, float(handle.config.alpha)):
         raise ValueError(f"{directory / CONFIG_NAME}: r={data.get('r')} lora_alpha={data.get('lora_alpha')} but the "

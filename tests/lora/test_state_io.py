@@ -46,7 +46,7 @@ def test_peft_round_trip_is_bit_exact(make_model, tmp_path, vl_batch, cfg):
     ids, types, images = vl_batch
     model, handle = _trained(make_model, cfg)
     path = save_peft_adapter(model, handle, tmp_path / "adapter")
-    assert sorted(os.listdir(path)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(os.listdir(path)) == ["adapter_config.json", "adapter_model.safetensors", "dsv4flash_adapter.json"]
     assert os.listdir(tmp_path) == ["adapter"]  # no temp directory left behind
     fresh = make_model()
     fresh_handle = load_peft_adapter(fresh, path)  # rebuilds the placement from the directory
@@ -65,8 +65,8 @@ def test_peft_files_describe_the_layout(make_model, tmp_path, tiny_cfg):
     path = save_peft_adapter(model, handle, tmp_path / "a", base_model_name_or_path="tiny")
     config = json.loads((path / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == ("LORA", 16, 32.0, "tiny")
-    assert config["task_type"] == "CAUSAL_LM"
-    ours = config["dsv4flash"]
+    assert config["task_type"] == "CAUSAL_LM" and "dsv4flash" not in config  # stock PEFT sees only its own keys
+    ours = json.loads((path / "dsv4flash_adapter.json").read_text())
     n, groups, experts = tiny_cfg.text.num_hidden_layers, tiny_cfg.text.o_groups, tiny_cfg.text.n_routed_experts
     assert (ours["format"], ours["layout"], ours["wo_a_lora"], ours["expert_lora"]) == \
         ("dsv4flash-lora/2", "peft", "per_group", "per_expert")
@@ -119,7 +119,8 @@ def test_legacy_packed_directories_still_load(make_model, tmp_path, ids):
     model, handle = _trained(make_model, "decoder_half")
     path = save_peft_adapter(model, handle, tmp_path / "v1", layout="packed")
     config = json.loads((path / "adapter_config.json").read_text())
-    ours = config["dsv4flash"]
+    ours = json.loads((path / "dsv4flash_adapter.json").read_text())
+    (path / "dsv4flash_adapter.json").unlink()  # v1 carried the section inline
     legacy = {"format": "dsv4flash-lora/1", "lora_config": ours["lora_config"], "base": ours["base"],
               "grouped_modules": ours["grouped_modules"], "packed_experts": ours["packed_experts"],
               "trainable_params": ours["trainable_params"]}
@@ -128,8 +129,7 @@ def test_legacy_packed_directories_still_load(make_model, tmp_path, ids):
     fresh = make_model()
     load_peft_adapter(fresh, path)
     assert _bit_equal(lora_state_dict(fresh), lora_state_dict(model))
-    config["dsv4flash"]["format"] = "dsv4flash-lora/9"
-    (path / "adapter_config.json").write_text(json.dumps(config))
+    (path / "adapter_config.json").write_text(json.dumps({**config, "dsv4flash": {**legacy, "format": "dsv4flash-lora/9"}}))
     with pytest.raises(ValueError, match="dsv4flash.format is 'dsv4flash-lora/9'"):
         load_peft_adapter(make_model(), path)
 
@@ -176,10 +176,10 @@ def test_load_errors_name_the_file_and_tensor(make_model, tmp_path):
     with pytest.raises(ValueError, match=r"'layers.3.attn.wq_a.lora_B.weight' has shape \[3, 3\]"):
         load_peft_adapter(make_model(), path)
 
-    config = json.loads((path / "adapter_config.json").read_text())
-    config["dsv4flash"]["base"]["hidden_size"] = 128
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="hidden_size=128"):
+    section = json.loads((path / "dsv4flash_adapter.json").read_text())
+    section["base"]["hidden_size"] = 128
+    (path / "dsv4flash_adapter.json").write_text(json.dumps(section))
+    with pytest.raises(ValueError, match="dsv4flash_adapter.json: .*hidden_size=128"):
         load_peft_adapter(make_model(), path)
     other = make_model()
     apply_lora(other, "full_linear_r8")
