@@ -1,8 +1,9 @@
 """Export a packed adapter to the layouts engines load, and import them back (lossless).
 
-* **PEFT per-expert** (`export_peft`): `adapter_config.json` + `adapter_model.safetensors` with keys
-  `base_model.model.layers.{i}.ffn.experts.{e}.{w1|w2|w3}.lora_{A|B}.weight` — vLLM's 2-D MoE LoRA
-  layout (what DeepSeek V4/V4.1 load by default, `is_3d_moe_weight=False`) and HF PEFT's.
+* **PEFT / vLLM / Megatron / packed** (`export_peft(adapter, dir, layout=...)`): an adapter directory in one of
+  `dsv4flash.lora.layouts`' layouts (`peft`, the default: what stock PEFT and vLLM load, routed experts as
+  `base_model.model.layers.{i}.ffn.experts.{e}.{w1|w2|w3}.lora_{A|B}.weight` — vLLM's 2-D MoE LoRA layout,
+  what DeepSeek V4/V4.1 load by default, `is_3d_moe_weight=False`); `import_peft` reads any of them.
 * **vLLM 3-D** (`export_vllm_3d`): per MoE layer four tensors, PEFT `target_parameters` style:
   `…ffn.experts.base_layer.lora_A/B.weight` (fused gate_up = [w1; w3]) and `…ffn.experts.lora_A/B.weight`
   (down = w2). lora_A is `[E·R, in]` with the expert index slowest, lora_B is `[out, E·R]` with the
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,34 +29,15 @@ from dsv4flash.lifecycle.errors import AdapterFormatError
 from dsv4flash.lifecycle.faults import crashpoint
 from dsv4flash.lifecycle.packed import EXPERT_PROJECTIONS, PackedMoELoRA
 from dsv4flash.lifecycle.safetensors_io import read_safetensors, write_safetensors
+from dsv4flash.lora.layouts import detect_modes
+from dsv4flash.lora.peft_io import CONFIG_NAME, SECTION_NAME, WEIGHTS_NAME, peft_config, read_adapter_tensors
+from dsv4flash.lora.state import PEFT_PREFIX
 
-__all__ = ["export_peft", "import_peft", "export_vllm_3d", "import_vllm_3d", "PEFT_PREFIX", "CONFIG_NAME", "WEIGHTS_NAME"]
+__all__ = ["export_peft", "import_peft", "export_vllm_3d", "import_vllm_3d", "export_adapter_dir", "read_adapter_dir",
+           "adapter_source", "FORMATS", "PEFT_PREFIX", "CONFIG_NAME", "WEIGHTS_NAME"]
 
-PEFT_PREFIX = "base_model.model."
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
 _GATE_UP, _DOWN = "ffn.experts.gate_up_proj", "ffn.experts.down_proj"
-
-
-def _target_regex(adapter: PackedMoELoRA, *, per_expert: bool) -> str:
-    """PEFT `target_modules` as one full-match regex naming exactly the adapted modules (no more)."""
-    alts = [re.escape(name) for name, (a, _) in sorted(adapter.dense.items()) if a.dim() == 2]
-    if per_expert:
-        alts += [rf"layers\.{layer}\.ffn\.experts\.\d+\.{proj}" for layer, proj in sorted(adapter.experts)]
-    return "|".join(alts) if alts else "(?!)"
-
-
-def _base_config(adapter: PackedMoELoRA, base_model_name_or_path: str | None, layout: str) -> dict[str, Any]:
-    grouped = sorted(name for name, (a, _) in adapter.dense.items() if a.dim() == 3)
-    return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-        "r": adapter.rank, "lora_alpha": adapter.alpha, "lora_dropout": 0.0, "bias": "none",
-        "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
-        "use_dora": False, "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
-        "target_modules": _target_regex(adapter, per_expert=layout == "peft_per_expert"),
-        "dsv4flash": {"layout": layout, "num_experts": adapter.num_experts, "grouped_modules": grouped,
-                      "moe_layers": adapter.moe_layers()},
-    }
+VLLM_3D = "vllm_3d"  # the fused 3-D MoE layout's name in the dsv4flash section
 
 
 def _write_dir(directory: str | os.PathLike, overwrite: bool, write: Callable[[Path], None]) -> Path:
@@ -75,7 +56,11 @@ def _write_files(tmp: Path, tensors: dict[str, torch.Tensor], config: dict[str, 
 
     with open(tmp / WEIGHTS_NAME, "wb") as f:
         write_safetensors(f, tensors, {"format": "pt"}, on_progress=progress)
+    config = dict(config)
+    section = config.pop("dsv4flash", None)
     (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if section is not None:
+        (tmp / SECTION_NAME).write_text(json.dumps(section, indent=2, sort_keys=True) + "\n")
 
 
 def _read_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
@@ -98,23 +83,28 @@ def _read_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, t
     return config, {k.removeprefix(PEFT_PREFIX): v for k, v in tensors.items()}, weights
 
 
-# ---- PEFT per-expert (vLLM 2-D) ----
-def export_peft(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None, overwrite: bool = False) -> Path:
-    """Write the per-expert PEFT directory (`w1`/`w2`/`w3` per expert) for `adapter`."""
-    config = _base_config(adapter, base_model_name_or_path, "peft_per_expert")
-    tensors = {PEFT_PREFIX + k: v for k, v in adapter.to_per_expert().items()}
+# ---- PEFT / vLLM 2-D / Megatron / packed: the layouts of dsv4flash.lora.layouts ----
+def export_peft(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None,
+                overwrite: bool = False, layout: str = "peft") -> Path:
+    """Write `adapter` as an adapter directory in `layout` (default `peft`: per-expert routed LoRA)."""
+    config, tensors = peft_config(adapter.to_packed_tensors(), layout, rank=adapter.rank, alpha=adapter.alpha,
+                                  base_model_name_or_path=base_model_name_or_path)
+    tensors = {PEFT_PREFIX + k: v for k, v in tensors.items()}
     return _write_dir(directory, overwrite, lambda tmp: _write_files(tmp, tensors, config))
 
 
 def import_peft(directory: str | os.PathLike) -> PackedMoELoRA:
-    """Read a per-expert PEFT directory back into packed form (bit-exact)."""
-    config, tensors, weights = _read_dir(directory)
-    return PackedMoELoRA.from_per_expert(tensors, alpha=float(config["lora_alpha"]), source=str(weights))
+    """Read an adapter directory of any of those layouts back into packed form (bit-exact)."""
+    config, canonical = read_adapter_tensors(directory)
+    return PackedMoELoRA.from_packed_tensors(canonical, alpha=float(config["lora_alpha"]),
+                                             source=str(Path(directory) / WEIGHTS_NAME))
 
 
 # ---- vLLM 3-D ----
-def export_vllm_3d(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None, overwrite: bool = False) -> Path:
-    """Write vLLM's 3-D fused MoE LoRA directory (gate_up at rank 2r, block-diagonal; down at rank r)."""
+def export_vllm_3d(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None,
+                   overwrite: bool = False, section: dict[str, Any] | None = None) -> Path:
+    """Write vLLM's 3-D fused MoE LoRA directory (gate_up at rank 2r, block-diagonal; down at rank r); `section`
+    adds what a source directory recorded (its `lora_config`, base geometry) to the dsv4flash section."""
     r, tensors = adapter.rank, {}
     for layer in adapter.moe_layers():
         missing = [p for p in EXPERT_PROJECTIONS if (layer, p) not in adapter.experts]
@@ -135,7 +125,10 @@ def export_vllm_3d(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base
     for name, (a, b) in adapter.dense.items():
         tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a
         tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b
-    config = _base_config(adapter, base_model_name_or_path, "vllm_3d")
+    config, _ = peft_config({k: v for k, v in adapter.to_packed_tensors().items() if ".ffn.experts." not in k}, "vllm",
+                            rank=r, alpha=adapter.alpha, base_model_name_or_path=base_model_name_or_path)
+    config["dsv4flash"] = {"format": config["dsv4flash"]["format"], "layout": VLLM_3D, "num_experts": adapter.num_experts, "moe_layers": adapter.moe_layers(),
+                           "grouped_modules": config["dsv4flash"]["grouped_modules"], **(section or {})}
     if adapter.experts:
         config["target_parameters"] = [_GATE_UP, _DOWN]
         config["rank_pattern"] = {_GATE_UP: 2 * r}
@@ -185,3 +178,51 @@ def import_vllm_3d(directory: str | os.PathLike) -> PackedMoELoRA:
             dense[name] = (tensors[key], tensors[f"{name}.lora_B.weight"])
     return PackedMoELoRA(rank=r, alpha=alpha, num_experts=len(experts) and next(iter(experts.values()))[0].shape[0],
                          experts=experts, dense=dense)
+
+
+# ---- directories: a training output or an adapter directory, in any layout, to any other ----
+FORMATS = ("peft", "vllm", "megatron", "packed", VLLM_3D)
+
+
+def adapter_source(path: str | os.PathLike) -> Path:
+    """The adapter directory of `path`: itself, or `<path>/adapter` of a `python -m dsv4flash.train` output."""
+    path = Path(path)
+    for candidate in (path, path / "adapter"):
+        if (candidate / CONFIG_NAME).is_file():
+            return candidate
+    raise FileNotFoundError(f"{path}: neither an adapter directory ({CONFIG_NAME}) nor a training output "
+                            f"(adapter/{CONFIG_NAME})")
+
+
+def read_adapter_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(adapter config with its dsv4flash section, canonical tensors) of a directory in any layout, 3-D included."""
+    from dsv4flash.lora.peft_io import read_adapter_config
+
+    directory = adapter_source(path)
+    data = read_adapter_config(directory)
+    if (data.get("dsv4flash") or {}).get("layout") == VLLM_3D:
+        return data, import_vllm_3d(directory).to_packed_tensors()
+    return read_adapter_tensors(directory)
+
+
+def export_adapter_dir(source: str | os.PathLike, directory: str | os.PathLike, fmt: str = "peft", *,
+                       overwrite: bool = False) -> Path:
+    """Rewrite the adapter at `source` (training output or adapter directory, any layout) in `fmt`; tensors are
+    moved bit-exactly, the placement and base recorded in the source carry over."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown adapter format {fmt!r}; expected one of {FORMATS}")
+    data, canonical = read_adapter_dir(source)
+    rank, alpha, base = int(data["r"]), float(data["lora_alpha"]), data.get("base_model_name_or_path")
+    ours = data.get("dsv4flash") or {}
+    section = {k: ours[k] for k in ("lora_config", "base", "trainable_params", "lora_dropout") if k in ours}
+    if fmt == VLLM_3D:
+        if detect_modes(canonical)[1] == "shared_outer":
+            raise AdapterFormatError(f"{source}: vllm_3d fuses every expert's own w1/w3 factors; this adapter shares "
+                                     "factors across experts (expert_lora='shared_outer'): export it as peft or vllm")
+        adapter = PackedMoELoRA.from_packed_tensors(canonical, alpha=alpha, source=str(source))
+        return export_vllm_3d(adapter, directory, base_model_name_or_path=base, overwrite=overwrite, section=section)
+    config, tensors = peft_config(canonical, fmt, rank=rank, alpha=alpha,
+                                  dropout=float(ours.get("lora_dropout", data.get("lora_dropout", 0.0))),
+                                  base_model_name_or_path=base, section=section)
+    tensors = {PEFT_PREFIX + k: v for k, v in tensors.items()}
+    return _write_dir(directory, overwrite, lambda tmp: _write_files(tmp, tensors, config))
