@@ -122,7 +122,8 @@ def _export(args: argparse.Namespace) -> int:
         else:
             print(export_peft(adapter, args.out, overwrite=args.overwrite, layout=fmt))
     except (AdapterFormatError, ValueError, FileNotFoundError, FileExistsError, KeyError) as exc:
-        return _user_error(f"dsv4flash lifecycle export: {exc}")
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # KeyError's str() adds quotes
+        return _user_error(f"dsv4flash lifecycle export: {message}")
     return 0
 
 

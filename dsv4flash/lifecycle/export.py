@@ -212,6 +212,7 @@ def export_adapter_dir(source: str | os.PathLike, directory: str | os.PathLike, 
     if fmt not in FORMATS:
         raise ValueError(f"unknown adapter format {fmt!r}; expected one of {FORMATS}")
     data, canonical = read_adapter_dir(source)
+    check_against_base(data, canonical, str(adapter_source(source)))
     rank, alpha, base = int(data["r"]), float(data["lora_alpha"]), data.get("base_model_name_or_path")
     ours = data.get("dsv4flash") or {}
     section = {k: ours[k] for k in ("lora_config", "base", "trainable_params", "lora_dropout") if k in ours}
@@ -226,3 +227,30 @@ def export_adapter_dir(source: str | os.PathLike, directory: str | os.PathLike, 
                                   base_model_name_or_path=base, section=section)
     tensors = {PEFT_PREFIX + k: v for k, v in tensors.items()}
     return _write_dir(directory, overwrite, lambda tmp: _write_files(tmp, tensors, config))
+
+
+def check_against_base(data: dict[str, Any], canonical: dict[str, torch.Tensor], source: str) -> bool:
+    """Check canonical tensors against the placement the directory records, on a meta model of its base (the
+    `base_model_name_or_path` directory, else the recorded flavour); False when neither is known."""
+    from dsv4flash.config import ConfigError, load_config
+    from dsv4flash.lora import LoraConfig, apply_lora
+    from dsv4flash.lora.state import check_lora_state_dict
+    from dsv4flash.model.transformer import Transformer
+
+    ours = data.get("dsv4flash") or {}
+    if not ours.get("lora_config"):
+        return False
+    cfg = None
+    for spec in (data.get("base_model_name_or_path"), (ours.get("base") or {}).get("config")):
+        try:
+            cfg = load_config(spec) if spec else None
+        except (ConfigError, OSError, ValueError):
+            cfg = None
+        if cfg is not None:
+            break
+    if cfg is None:
+        return False
+    model = Transformer(cfg, device="meta", seed=None)
+    apply_lora(model, LoraConfig.from_dict(ours["lora_config"]))
+    check_lora_state_dict(model, canonical, source=source)
+    return True

@@ -40,14 +40,14 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: p.detach() for k, p in lora_parameters(model).items()}
 
 
-def load_lora_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True,
-                         source: str = "<state dict>") -> list[str]:
-    """Copy adapter tensors into the model (keys canonical, optionally PEFT-prefixed); returns keys loaded.
+def check_lora_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True,
+                          source: str = "<state dict>") -> None:
+    """Raise unless `state` fits the model's placement: every key (with `strict`: and no other), exact shapes.
 
-    Shapes must match exactly; with `strict`, missing and unexpected keys are errors naming them and why
-    (the module the placement adapts, or why the placement has no adapter there).
+    Errors name the tensor and what was expected (the module the placement adapts and its shape, or why the
+    placement has no adapter there). Works on a `meta` model.
     """
-    handle = require_handle(model, "load_lora_state_dict")
+    handle = require_handle(model, "check_lora_state_dict")
     params = lora_parameters(model)
     given = {k.removeprefix(PEFT_PREFIX): v for k, v in state.items()}
     missing = [k for k in params if k not in given]
@@ -59,17 +59,27 @@ def load_lora_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *,
         raise KeyError(f"{source}: adapter keys do not match the model's LoRA placement: missing {missing[:5]}"
                        f"{' …' if len(missing) > 5 else ''} ({len(missing)}), unexpected {unexpected[:5]}"
                        f"{' …' if len(unexpected) > 5 else ''} ({len(unexpected)}); {first}: {why}")
+    for key, value in given.items():
+        if key in params and tuple(value.shape) != tuple(params[key].shape):
+            raise ValueError(f"{source}: tensor {key!r} has shape {list(value.shape)}, the model's adapter "
+                             f"expects {list(params[key].shape)} (placement rank {handle.config.rank})")
+
+
+def load_lora_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True,
+                         source: str = "<state dict>") -> list[str]:
+    """Copy adapter tensors into the model (keys canonical, optionally PEFT-prefixed); returns keys loaded.
+
+    Checked first by `check_lora_state_dict` (exact shapes; with `strict`, no missing or unexpected keys).
+    """
+    check_lora_state_dict(model, state, strict=strict, source=source)
+    params = lora_parameters(model)
     loaded = []
     with torch.no_grad():
-        for key, value in given.items():
-            if key not in params:
-                continue
-            param = params[key]
-            if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"{source}: tensor {key!r} has shape {list(value.shape)}, the model's adapter "
-                                 f"expects {list(param.shape)} (placement rank {handle.config.rank})")
-            param.copy_(value.to(device=param.device))
-            loaded.append(key)
+        for key, value in state.items():
+            key = key.removeprefix(PEFT_PREFIX)
+            if key in params:
+                params[key].copy_(value.to(device=params[key].device))
+                loaded.append(key)
     return loaded
 
 

@@ -91,3 +91,16 @@ def test_export_user_errors_exit_2_naming_the_problem(tmp_path, capsys):
     assert not (tmp_path / "v3").exists()
     code, err = main(["lifecycle", "policies"]), capsys.readouterr().err
     assert code == 2 and "--root is required" in err
+
+
+def test_export_checks_the_directory_against_its_placement(tmp_path, capsys):
+    """A training output missing a module the placement adapts is refused, not converted without it."""
+    out, _ = _training_output(tmp_path, LoraConfig(preset="decoder_half", rank=2))
+    weights = out / "adapter" / "adapter_model.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({k: v for k, v in load_file(str(weights)).items() if ".layers.9.attn.wo_a." not in k}, str(weights))
+    assert main(["lifecycle", "export", str(out), str(tmp_path / "v"), "--format", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "missing ['layers.9.attn.wo_a.lora_A.weight', 'layers.9.attn.wo_a.lora_B.weight']" in err
+    assert "the placement adapts layers.9.attn.wo_a" in err and not (tmp_path / "v").exists()
