@@ -1,4 +1,4 @@
-"""transformers classes for DeepSeek-V4.1-Flash: `DeepseekV41Config`, `DeepseekV41ForCausalLM` (see docs/transformers.md).
+"""transformers classes for DeepSeek-V4.1-Flash: `DeepseekV41Config`, `DeepseekV41ForCausalLM` (docs/transformers.md).
 
 Importing this package is cheap; the classes import transformers when first accessed. `import dsv4flash`
 registers them with transformers' auto classes lazily (`registration.install`).

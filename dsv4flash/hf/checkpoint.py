@@ -51,20 +51,29 @@ def detect_layout(directory: Path) -> str:
     return "import" if (directory / SIDECAR / LAYOUT_FILE).is_file() else "base"
 
 
-def load_checkpoint(model: nn.Module, directory: Path, *, progress: bool = False) -> Path | None:
-    """Fill `model`'s parameters from `directory`; returns the bridge sidecar to export with (or None)."""
-    from dsv4flash_bridge.convert import import_release
-    from dsv4flash_bridge.convert_common import SIDECAR
+def load_checkpoint(model: nn.Module, directory: Path, *, progress: bool = False,
+                    staging_dir: str | Path | None = None, layout: str | None = None) -> Path | None:
+    """Fill `model`'s parameters from `directory`; returns the bridge sidecar to export with (or None).
+    A release directory is decoded under `staging_dir` (default: the system temp dir; needs the decoded size)."""
+    import json
 
-    layout = detect_layout(directory)
+    from dsv4flash_bridge.convert import import_release
+    from dsv4flash_bridge.convert_common import LAYOUT_FILE, SIDECAR
+
+    layout = layout or detect_layout(directory)
     if layout == "base":
         _copy_tensors(model, directory)
         return None
     if layout == "import":
+        naming = json.loads((directory / SIDECAR / LAYOUT_FILE).read_text(encoding="utf-8")).get("naming", "release")
+        if naming != "release":
+            raise CheckpointLayoutError(f"{directory}: imported with --naming {naming}; from_pretrained reads "
+                                        "release-named imports (`dsv4flash convert import --naming release`) or the "
+                                        "release directory itself")
         _copy_tensors(model, directory)
         return _keep(model, directory / SIDECAR)
     dtype = torch.float32 if next(model.parameters()).dtype == torch.float32 else torch.bfloat16
-    with tempfile.TemporaryDirectory(prefix="dsv4flash-import-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="dsv4flash-import-", dir=staging_dir) as tmp:
         imported = Path(tmp) / "import"
         import_release(directory, imported, dtype=dtype, naming="release", progress=progress)
         _copy_tensors(model, imported)
@@ -163,7 +172,7 @@ def save_checkpoint(model: nn.Module, target: Path, *, max_shard_size: int | str
                     progress: bool = False) -> None:
     """Release layout through `export_release` when the model has a sidecar, else a base directory."""
     from dsv4flash_bridge.convert import export_release
-    from dsv4flash_bridge.convert_common import SIDECAR
+    from dsv4flash_bridge.convert_common import LAYOUT_FILE, SIDECAR
 
     shard_bytes = _shard_bytes(max_shard_size)
     sidecar = getattr(model, "release_layout", None)
@@ -175,6 +184,9 @@ def save_checkpoint(model: nn.Module, target: Path, *, max_shard_size: int | str
 
         publish_directory(target, write, overwrite=True, what="save_pretrained")
         return
+    if not (Path(sidecar) / LAYOUT_FILE).is_file():
+        raise CheckpointLayoutError(f"{sidecar}: the release layout recorded at load is gone (it lives as long as "
+                                    "the model it was loaded with); load the model again to save the release layout")
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{target.name}.staging-", dir=target.parent) as tmp:
         staging = Path(tmp)

@@ -51,7 +51,7 @@ def _section_class(name: str, section: type, defaults: Any, base_key: str) -> ty
             if isinstance(value, (list, dict)) else value
     namespace.update(__annotations__=annotations, __module__=__name__, model_type=defaults.model_type,
                      base_config_key=base_key, section=section,
-                     __doc__=f"`{base_key}` of the release config.json (fields of dsv4flash.config.{section.__name__}).")
+                     __doc__=f"`{base_key}` of the release config.json (dsv4flash.config.{section.__name__} fields).")
 
     def section_dict(self) -> dict[str, Any]:
         """This section as the release writes it (its keys in release order)."""
@@ -100,8 +100,6 @@ class DeepseekV41Config(PreTrainedConfig):
                 setattr(self, key, cls())
             elif isinstance(value, dict):
                 setattr(self, key, cls(**value))
-            elif isinstance(value, DSV41FlashConfig):
-                raise TypeError(f"{key}: pass DeepseekV41Config.from_dsv4flash(cfg) for a dsv4flash config")
         super().__post_init__(**kwargs)
         self.to_dsv4flash()  # validate now: every rule names the offending key
 

@@ -13,6 +13,8 @@ There is no KV cache yet (the CSA2 decode cache will arrive as `past_key_values`
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +30,8 @@ from dsv4flash.model.image import TEXT
 from dsv4flash.model.transformer import Transformer
 
 __all__ = ["DeepseekV41PreTrainedModel", "DeepseekV41ForCausalLM"]
+
+log = logging.getLogger("dsv4flash.hf")
 
 # Hub keyword arguments that AutoModel passes along; they do not apply to a local directory.
 _HUB_KWARGS = {"cache_dir", "force_download", "local_files_only", "proxies", "revision", "token", "trust_remote_code",
@@ -47,20 +51,29 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         """No-op: the reference model initialises itself (`dsv4flash.model.init`, seeded)."""
 
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, is_init_check: bool = False,
+                                              allow_all_kernels: bool = False) -> str:
+        """Always "eager": the reference model runs its own CSA2 attention, transformers' backends do not apply
+        (veRL asks for flash_attention_2 on every config it loads; that must not stop the model from building)."""
+        if attn_implementation not in (None, "eager"):
+            log.info("DeepseekV41ForCausalLM: attn_implementation=%r does not apply (CSA2 attention); using the "
+                     "reference attention", attn_implementation)
+        return "eager"
+
 
 class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     """DeepSeek-V4.1-Flash for causal LM (text and image prompts), wrapping the reference model."""
 
-    # The reference model's forward pieces, run on this module's own (adopted, release-named) children.
-    embed_inputs = Transformer.embed_inputs
-    run_layers = Transformer.run_layers
-    logits = Transformer.logits
+    # The reference model's own forward (its other methods are copied in below the class).
     reference_forward = Transformer.forward
-    _fill_images = Transformer._fill_images
 
-    def __init__(self, config: DeepseekV41Config, *, dtype: torch.dtype = torch.float32,
+    def __init__(self, config: DeepseekV41Config, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, seed: int | None = 0) -> None:
+        """Build the reference model (dtype: torch's default, which `from_config(dtype=...)` sets; seeded init)."""
         super().__init__(config)
+        dtype = dtype or torch.get_default_dtype()
+        if self.generation_config is not None:
+            self.generation_config.use_cache = False  # no cache yet: say so rather than pretend (module docstring)
         core = Transformer(config.to_dsv4flash(), dtype=dtype, device=device, seed=seed)
         self.cfg = core.cfg
         for name, child in core._modules.items():
@@ -112,6 +125,8 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         if past_key_values is not None:
             raise ValueError("DeepseekV41ForCausalLM: no KV cache yet; past_key_values must be None (generate() "
                              "reruns the full sequence each step)")
+        if use_cache:
+            _warn_no_cache()
         logits = self._masked_logits(input_ids, attention_mask, token_types, images)  # [B,S,V] fp32
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]
@@ -165,10 +180,12 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args: Any,
                         config: DeepseekV41Config | None = None, dtype: Any = None, device: Any = None,
-                        progress: bool = False, subfolder: str = "", **kwargs: Any) -> "DeepseekV41ForCausalLM":
-        """Load a local directory: release layout (FP8/MXFP4/Engram decoded by the bridge), a `convert import`
-        output, or a dsv4flash base (`model.safetensors` + config.json). dtype defaults to float32."""
-        from dsv4flash.hf.checkpoint import load_checkpoint
+                        progress: bool = False, subfolder: str = "", staging_dir: str | os.PathLike | None = None,
+                        **kwargs: Any) -> "DeepseekV41ForCausalLM":
+        """Load a local directory: release layout (FP8/MXFP4/Engram decoded by the bridge under `staging_dir`),
+        a `convert import` output, or a dsv4flash base (`model.safetensors` + config.json). dtype: float32 by
+        default, "auto" = config.dtype."""
+        from dsv4flash.hf.checkpoint import detect_layout, load_checkpoint
 
         dtype = kwargs.pop("torch_dtype", None) if dtype is None else dtype
         device = kwargs.pop("device_map", None) if device is None else device
@@ -179,14 +196,19 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         directory = Path(pretrained_model_name_or_path) / subfolder
         if not directory.is_dir():
             raise FileNotFoundError(f"{directory}: not a local checkpoint directory (nothing is downloaded)")
+        layout = detect_layout(directory)  # headers only: a directory without weights fails before allocating
         if config is None:
             config = DeepseekV41Config.from_pretrained(directory)
         if dtype is None or dtype == "auto":
             dtype = torch.float32 if dtype is None else config.dtype
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if isinstance(device, dict):
+            raise TypeError("DeepseekV41ForCausalLM.from_pretrained: device_map must name one device (the reference "
+                            "model is single-device), got a dict")
         device = None if device in (None, "auto") else device
         model = cls(config, dtype=dtype, device=device or "cpu", seed=None)  # seed=None: allocated, not initialised
-        model.release_layout = load_checkpoint(model, directory, progress=progress)
+        model.release_layout = load_checkpoint(model, directory, progress=progress, staging_dir=staging_dir,
+                                               layout=layout)
         model.name_or_path = str(directory)
         model.config.name_or_path = str(directory)
         return model.eval()
@@ -204,3 +226,21 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                              "model's own parameters")
         if is_main_process:
             save_checkpoint(self, Path(save_directory), max_shard_size=max_shard_size, progress=progress)
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_no_cache() -> None:
+    """Once per process: use_cache=True cannot make a cache yet."""
+    log.warning("DeepseekV41ForCausalLM: use_cache=True, but there is no KV cache yet; every step reruns the full "
+                "sequence and past_key_values stays None")
+
+
+def _adopt_reference_methods(cls: type) -> None:
+    """Give `cls` every method of the reference model (embed_inputs, run_layers, logits, and whatever it
+    gains, e.g. prefill/decode), so they run on the adopted children; transformers' own names win."""
+    for name, value in vars(Transformer).items():
+        if callable(value) and not name.startswith("__") and name != "forward" and not hasattr(cls, name):
+            setattr(cls, name, value)
+
+
+_adopt_reference_methods(DeepseekV41ForCausalLM)

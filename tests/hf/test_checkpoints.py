@@ -21,7 +21,7 @@ from dsv4flash_bridge.safetensors_io import SafetensorsReader
 from dsv4flash_bridge.sharded import CheckpointReader
 from dsv4flash_bridge.synthetic import write_release_checkpoint
 
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText  # noqa: E402
 
 RELEASE_CONFIGS = {"flash": Path(dsv4flash.__file__).parent / "data" / "flash_config.json",
                    "tiny": Path(dsv4flash.__file__).parent / "data" / "tiny_config.json"}
@@ -89,6 +89,8 @@ def test_from_pretrained_base_dir(base_dir):
     for name, param in ref.named_parameters():
         assert torch.equal(model.get_parameter(name), param), name
     _text_and_image_logits(model, ref.eval())
+    image_text = AutoModelForImageTextToText.from_pretrained(base_dir)  # the release is a VLM as well
+    assert type(image_text) is type(model) and torch.equal(image_text.head.weight, model.head.weight)
 
 
 def test_base_save_round_trip_keeps_other_files(base_dir, tmp_path):
@@ -132,19 +134,49 @@ def _tensor_bytes(directory: Path) -> dict[str, bytes]:
 def test_release_save_is_bit_exact(release_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(release_dir)
     model.save_pretrained(tmp_path / "saved")
-    assert _tensor_bytes(tmp_path / "saved") == _tensor_bytes(release_dir)
+    source = _tensor_bytes(release_dir)
+    assert _tensor_bytes(tmp_path / "saved") == source
     for name in ("config.json", "model.safetensors.index.json"):
         assert (tmp_path / "saved" / name).read_bytes() == (release_dir / name).read_bytes()
     # A changed weight is written back changed (fresh scale for its blocks), the rest stays identical.
     with torch.no_grad():
         model.get_parameter("layers.3.attn.wq_a.weight").mul_(2.0)
     model.save_pretrained(tmp_path / "saved")
-    changed = {k for k, v in _tensor_bytes(tmp_path / "saved").items() if v != _tensor_bytes(release_dir)[k]}
+    changed = {k for k, v in _tensor_bytes(tmp_path / "saved").items() if v != source[k]}
     assert changed and all(k.startswith("layers.3.attn.wq_a.") for k in changed)
+
+
+def test_release_with_dspark_blocks_round_trips(tmp_path):
+    """tiny_mtp has three DSpark (`mtp.*`) blocks: every tensor family of the release is loaded and re-saved."""
+    release = write_release_checkpoint(tmp_path / "release", "tiny_mtp", shards=2, seed=2)
+    model = AutoModelForCausalLM.from_pretrained(release)
+    assert any(name.startswith("mtp.2.") for name, _ in model.named_parameters())
+    model.save_pretrained(tmp_path / "saved")
+    assert _tensor_bytes(tmp_path / "saved") == _tensor_bytes(release)
+
+
+def test_bfloat16_load_and_save_are_bit_exact_too(release_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(release_dir, dtype="auto", staging_dir=tmp_path)
+    assert next(model.parameters()).dtype == torch.bfloat16 and list(tmp_path.iterdir()) == []
+    model.save_pretrained(tmp_path / "saved")
+    assert _tensor_bytes(tmp_path / "saved") == _tensor_bytes(release_dir)
+
+
+def test_megatron_named_import_is_refused_clearly(release_dir, tmp_path):
+    import_release(release_dir, tmp_path / "meg", naming="megatron", progress=False)
+    with pytest.raises(CheckpointLayoutError, match="imported with --naming megatron"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "meg")
 
 
 def test_wrong_checkpoint_names_the_tensor(base_dir, tmp_path):
     from safetensors.torch import load_file, save_file
+
+    from dsv4flash_bridge.safetensors_io import SafetensorsError
+
+    (tmp_path / "flash").mkdir()
+    load_config("flash").save(tmp_path / "flash" / "config.json")
+    with pytest.raises(SafetensorsError, match="neither model.safetensors.index.json nor model.safetensors"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "flash")  # fails before allocating the full model
 
     bad = Path(shutil.copytree(base_dir, tmp_path / "bad"))
     state = load_file(str(bad / "model.safetensors"))
