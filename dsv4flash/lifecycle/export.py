@@ -30,7 +30,7 @@ from dsv4flash.lifecycle.faults import crashpoint
 from dsv4flash.lifecycle.packed import EXPERT_PROJECTIONS, PackedMoELoRA
 from dsv4flash.lifecycle.safetensors_io import read_safetensors, write_safetensors
 from dsv4flash.lora.layouts import detect_modes
-from dsv4flash.lora.peft_io import CONFIG_NAME, SECTION_NAME, WEIGHTS_NAME, peft_config, read_adapter_tensors
+from dsv4flash.lora.peft_io import CONFIG_NAME, SECTION_NAME, WEIGHTS_NAME, adapter_files, read_adapter_tensors
 from dsv4flash.lora.state import PEFT_PREFIX
 
 __all__ = ["export_peft", "import_peft", "export_vllm_3d", "import_vllm_3d", "export_adapter_dir", "read_adapter_dir",
@@ -87,7 +87,7 @@ def _read_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, t
 def export_peft(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None,
                 overwrite: bool = False, layout: str = "peft") -> Path:
     """Write `adapter` as an adapter directory in `layout` (default `peft`: per-expert routed LoRA)."""
-    config, tensors = peft_config(adapter.to_packed_tensors(), layout, rank=adapter.rank, alpha=adapter.alpha,
+    config, tensors = adapter_files(adapter.to_packed_tensors(), layout, rank=adapter.rank, alpha=adapter.alpha,
                                   base_model_name_or_path=base_model_name_or_path)
     tensors = {PEFT_PREFIX + k: v for k, v in tensors.items()}
     return _write_dir(directory, overwrite, lambda tmp: _write_files(tmp, tensors, config))
@@ -125,10 +125,11 @@ def export_vllm_3d(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base
     for name, (a, b) in adapter.dense.items():
         tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a
         tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b
-    config, _ = peft_config({k: v for k, v in adapter.to_packed_tensors().items() if ".ffn.experts." not in k}, "vllm",
-                            rank=r, alpha=adapter.alpha, base_model_name_or_path=base_model_name_or_path)
-    config["dsv4flash"] = {"format": config["dsv4flash"]["format"], "layout": VLLM_3D, "num_experts": adapter.num_experts, "moe_layers": adapter.moe_layers(),
-                           "grouped_modules": config["dsv4flash"]["grouped_modules"], **(section or {})}
+    dense = {k: v for k, v in adapter.to_packed_tensors().items() if ".ffn.experts." not in k}
+    config, _ = adapter_files(dense, "vllm", rank=r, alpha=adapter.alpha, base_model_name_or_path=base_model_name_or_path)
+    ours = config["dsv4flash"]
+    config["dsv4flash"] = {"format": ours["format"], "layout": VLLM_3D, "num_experts": adapter.num_experts,
+                           "moe_layers": adapter.moe_layers(), "grouped_modules": ours["grouped_modules"], **(section or {})}
     if adapter.experts:
         config["target_parameters"] = [_GATE_UP, _DOWN]
         config["rank_pattern"] = {_GATE_UP: 2 * r}
@@ -222,7 +223,7 @@ def export_adapter_dir(source: str | os.PathLike, directory: str | os.PathLike, 
                                      "factors across experts (expert_lora='shared_outer'): export it as peft or vllm")
         adapter = PackedMoELoRA.from_packed_tensors(canonical, alpha=alpha, source=str(source))
         return export_vllm_3d(adapter, directory, base_model_name_or_path=base, overwrite=overwrite, section=section)
-    config, tensors = peft_config(canonical, fmt, rank=rank, alpha=alpha,
+    config, tensors = adapter_files(canonical, fmt, rank=rank, alpha=alpha,
                                   dropout=float(ours.get("lora_dropout", data.get("lora_dropout", 0.0))),
                                   base_model_name_or_path=base, section=section)
     tensors = {PEFT_PREFIX + k: v for k, v in tensors.items()}

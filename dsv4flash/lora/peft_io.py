@@ -33,7 +33,7 @@ FORMAT = "dsv4flash-lora/2"
 LEGACY_FORMAT = "dsv4flash-lora/1"  # packed layout, the LoraConfig in the section
 
 
-def peft_config(canonical: dict[str, torch.Tensor], layout: str, *, rank: int, alpha: float, dropout: float = 0.0,
+def adapter_files(canonical: dict[str, torch.Tensor], layout: str, *, rank: int, alpha: float, dropout: float = 0.0,
                 base_model_name_or_path: str | None = None, section: dict | None = None) -> tuple[dict, dict]:
     """(`adapter_config.json` content, file tensors without prefix) of canonical tensors in `layout`."""
     files = to_layout(canonical, layout)
@@ -186,7 +186,7 @@ def model_adapter_files(model: nn.Module, handle: LoraHandle, canonical: dict, b
     section = {"lora_config": cfg.to_dict(), "trainable_params": handle.trainable_params,
                "base": {"config": model.cfg.name, "num_hidden_layers": model.cfg.text.num_hidden_layers,
                         "hidden_size": model.cfg.text.hidden_size, "decoder_start": model.cfg.decoder_start}}
-    return peft_config(canonical, layout, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout,
+    return adapter_files(canonical, layout, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout,
                        base_model_name_or_path=base_model_name_or_path, section=section)
 
 
