@@ -20,17 +20,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from dsv4flash.atomic_io import publish_directory
 from dsv4flash.lifecycle.errors import AdapterFormatError
 from dsv4flash.lifecycle.faults import crashpoint
 from dsv4flash.lifecycle.packed import EXPERT_PROJECTIONS, PackedMoELoRA
 from dsv4flash.lifecycle.safetensors_io import read_safetensors, write_safetensors
 from dsv4flash.lora.layouts import detect_modes
-from dsv4flash.lora.peft_io import CONFIG_NAME, SECTION_NAME, WEIGHTS_NAME, adapter_files, read_adapter_tensors
+from dsv4flash.lora.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_files, read_adapter_tensors, write_adapter_dir
 from dsv4flash.lora.state import PEFT_PREFIX
 
 __all__ = ["export_peft", "import_peft", "export_vllm_3d", "import_vllm_3d", "export_adapter_dir", "read_adapter_dir",
@@ -40,12 +39,14 @@ _GATE_UP, _DOWN = "ffn.experts.gate_up_proj", "ffn.experts.down_proj"
 VLLM_3D = "vllm_3d"  # the fused 3-D MoE layout's name in the dsv4flash section
 
 
-def _write_dir(directory: str | os.PathLike, overwrite: bool, write: Callable[[Path], None]) -> Path:
-    return publish_directory(directory, write, overwrite=overwrite, what="export",
-                             before_rename=lambda: crashpoint("export.before_rename"))
+def _write_dir(directory: str | os.PathLike, overwrite: bool, config: dict[str, Any],
+               tensors: dict[str, torch.Tensor]) -> Path:
+    """peft_io's directory writer with the lifecycle's streaming safetensors writer and its crash points."""
+    return write_adapter_dir(directory, config, tensors, overwrite=overwrite, what="export",
+                             write_weights=_write_weights, before_rename=lambda: crashpoint("export.before_rename"))
 
 
-def _write_files(tmp: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+def _write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     half = [False]
 
@@ -54,13 +55,8 @@ def _write_files(tmp: Path, tensors: dict[str, torch.Tensor], config: dict[str, 
             half[0] = True
             crashpoint("export.mid_write")
 
-    with open(tmp / WEIGHTS_NAME, "wb") as f:
+    with open(path, "wb") as f:
         write_safetensors(f, tensors, {"format": "pt"}, on_progress=progress)
-    config = dict(config)
-    section = config.pop("dsv4flash", None)
-    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if section is not None:
-        (tmp / SECTION_NAME).write_text(json.dumps(section, indent=2, sort_keys=True) + "\n")
 
 
 def _read_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
@@ -89,8 +85,7 @@ def export_peft(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base_mo
     """Write `adapter` as an adapter directory in `layout` (default `peft`: per-expert routed LoRA)."""
     config, tensors = adapter_files(adapter.to_packed_tensors(), layout, rank=adapter.rank, alpha=adapter.alpha,
                                   base_model_name_or_path=base_model_name_or_path)
-    tensors = {PEFT_PREFIX + k: v for k, v in tensors.items()}
-    return _write_dir(directory, overwrite, lambda tmp: _write_files(tmp, tensors, config))
+    return _write_dir(directory, overwrite, config, tensors)
 
 
 def import_peft(directory: str | os.PathLike) -> PackedMoELoRA:
@@ -117,14 +112,14 @@ def export_vllm_3d(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base
         gate_up_b = torch.zeros(e, 2 * inter, 2 * r, dtype=b1.dtype)  # [E, 2I, 2r], block-diagonal
         gate_up_b[:, :inter, :r] = b1
         gate_up_b[:, inter:, r:] = b3
-        stem = f"{PEFT_PREFIX}layers.{layer}.ffn.experts"
+        stem = f"layers.{layer}.ffn.experts"
         tensors[f"{stem}.base_layer.lora_A.weight"] = gate_up_a.reshape(e * 2 * r, hidden)
         tensors[f"{stem}.base_layer.lora_B.weight"] = gate_up_b.permute(1, 2, 0).reshape(2 * inter, 2 * r * e)  # col = k·E + e
         tensors[f"{stem}.lora_A.weight"] = a2.reshape(e * r, inter)
         tensors[f"{stem}.lora_B.weight"] = b2.permute(1, 2, 0).reshape(hidden, r * e)
     for name, (a, b) in adapter.dense.items():
-        tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a
-        tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b
+        tensors[f"{name}.lora_A.weight"] = a
+        tensors[f"{name}.lora_B.weight"] = b
     dense = {k: v for k, v in adapter.to_packed_tensors().items() if ".ffn.experts." not in k}
     config, _ = adapter_files(dense, "vllm", rank=r, alpha=adapter.alpha, base_model_name_or_path=base_model_name_or_path)
     ours = config["dsv4flash"]
@@ -135,7 +130,7 @@ def export_vllm_3d(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base
         config["rank_pattern"] = {_GATE_UP: 2 * r}
         config["alpha_pattern"] = {_GATE_UP: 2 * adapter.alpha}
         config["dsv4flash"]["gate_up"] = "block_diagonal_rank_2r"
-    return _write_dir(directory, overwrite, lambda tmp: _write_files(tmp, tensors, config))
+    return _write_dir(directory, overwrite, config, tensors)
 
 
 def import_vllm_3d(directory: str | os.PathLike) -> PackedMoELoRA:
@@ -226,8 +221,7 @@ def export_adapter_dir(source: str | os.PathLike, directory: str | os.PathLike, 
     config, tensors = adapter_files(canonical, fmt, rank=rank, alpha=alpha,
                                   dropout=float(ours.get("lora_dropout", data.get("lora_dropout", 0.0))),
                                   base_model_name_or_path=base, section=section)
-    tensors = {PEFT_PREFIX + k: v for k, v in tensors.items()}
-    return _write_dir(directory, overwrite, lambda tmp: _write_files(tmp, tensors, config))
+    return _write_dir(directory, overwrite, config, tensors)
 
 
 def check_against_base(data: dict[str, Any], canonical: dict[str, torch.Tensor], source: str) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -76,20 +77,25 @@ def adapter_config(model: nn.Module, handle: LoraHandle, base_model_name_or_path
 
 
 def write_adapter_dir(directory: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor], *,
-                      overwrite: bool = False, what: str = "save_peft_adapter") -> Path:
-    """Publish config + file tensors (keys without prefix) as an adapter directory (temp dir, fsync, rename)."""
-
+                      overwrite: bool = False, what: str = "save_peft_adapter",
+                      write_weights: Callable[[Path, dict[str, torch.Tensor]], None] | None = None,
+                      before_rename: Callable[[], None] | None = None) -> Path:
+    """Publish config (its "dsv4flash" section to the sidecar) + file tensors (keys without prefix) as an adapter
+    directory: temp dir, fsync, rename. `write_weights(path, prefixed tensors)` replaces the safetensors writer."""
     config = dict(config)
     section = config.pop("dsv4flash", None)
+    prefixed = {PEFT_PREFIX + k: v.detach().cpu() for k, v in tensors.items()}
 
     def write(tmp: Path) -> None:
-        save_file({PEFT_PREFIX + k: v.detach().cpu() for k, v in tensors.items()}, tmp / WEIGHTS_NAME,
-                  {"format": "pt"})
+        if write_weights is None:
+            save_file(prefixed, tmp / WEIGHTS_NAME, {"format": "pt"})
+        else:
+            write_weights(tmp / WEIGHTS_NAME, prefixed)
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if section is not None:
             (tmp / SECTION_NAME).write_text(json.dumps(section, indent=2, sort_keys=True) + "\n")
 
-    return publish_directory(directory, write, overwrite=overwrite, what=what)
+    return publish_directory(directory, write, overwrite=overwrite, what=what, before_rename=before_rename)
 
 
 def save_peft_adapter(model: nn.Module, handle: LoraHandle | None, directory: str | os.PathLike, *,
