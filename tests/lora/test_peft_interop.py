@@ -112,3 +112,17 @@ def test_peft_reports_what_a_damaged_directory_lacks_and_dsv4flash_refuses_it(ba
         peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir)
     with pytest.raises(ValueError, match="layers.7.attn.wo_a.lora_A.weight has no layers.7.attn.wo_a.lora_B.weight"):
         load_peft_adapter(Transformer(tiny_cfg, seed=7), adapter_dir)
+
+
+@pytest.mark.upstream
+def test_peft_generate_follows_the_dsv4flash_model(base_dir, tiny_cfg, tmp_path, ids):
+    """`task_type: CAUSAL_LM` makes a PeftModelForCausalLM whose generate() is the adapted model's greedy chain."""
+    model, handle = _adapted(tiny_cfg, PLACEMENTS["decoder_half"])
+    wrapped = _peft_model(base_dir, save_peft_adapter(model, handle, tmp_path / "adapter"))
+    prompt = ids[:1, :12]
+    with torch.no_grad():
+        got = wrapped.generate(input_ids=prompt, max_new_tokens=4, do_sample=False)
+        want = prompt
+        for _ in range(4):  # greedy with the dsv4flash model itself
+            want = torch.cat([want, model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(got, want)
