@@ -48,9 +48,21 @@ def test_train_output_loads_in_stock_peft_with_dsv4flash_logits(trained):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*(missing|unexpected).*keys.*")
         wrapped = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out / "adapter")
-    ids = torch.randint(3, 499, (2, 20), generator=torch.Generator().manual_seed(0))
+    from dsv4flash.model.image import ImageInput, expand_image_placeholders
+
+    cfg = reference.cfg
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 499, (2, 20), generator=gen)
+    p = cfg.vision.patch_size
+    image = ImageInput(torch.randn(18, 3 * p * p, generator=gen), (3, 6))
+    prompt = torch.cat([torch.randint(3, 499, (5,), generator=gen), torch.tensor([cfg.image_token_id]),
+                        torch.randint(3, 499, (9,), generator=gen)])
+    vl_ids, vl_types = (t[None] for t in expand_image_placeholders(prompt, [image], cfg))
+    reference.eval()
     with torch.no_grad():
-        torch.testing.assert_close(wrapped(input_ids=ids).logits, reference.eval()(ids), rtol=0, atol=1e-5)
+        torch.testing.assert_close(wrapped(input_ids=ids).logits, reference(ids), rtol=0, atol=1e-5)
+        torch.testing.assert_close(wrapped(input_ids=vl_ids, token_types=vl_types, images=[image]).logits,
+                                   reference(vl_ids, vl_types, [image]), rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
