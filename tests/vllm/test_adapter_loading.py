@@ -132,3 +132,34 @@ def test_peft_layout_needs_the_larger_rank_the_vllm_layout_avoids(names, tiny_cf
     canonical = lora_state_dict(model)
     assert lora_model.rank == RANK and wo_a.rank == RANK
     assert torch.equal(wo_a.lora_a, canonical["layers.7.attn.wo_a.lora_A.weight"])  # per-group stack, as our layer takes
+
+
+def test_vllm_3d_export_is_the_fused_moe_format_vllm_converts(names, tiny_cfg, tmp_path):
+    """`--format vllm_3d`: vLLM's loader accepts it, the experts arrive as the fused tensors a 2-D wrapper refuses
+    unless the request says `is_3d_lora_weight=True`, and vLLM's own 3-D -> 2-D conversion gives our ΔW."""
+    from types import SimpleNamespace
+
+    from vllm.lora.model_manager import LoRAModelManager
+
+    from dsv4flash.lifecycle.export import export_adapter_dir
+
+    model, handle = _adapted(tiny_cfg, "decoder_half")
+    save_peft_adapter(model, handle, tmp_path / "run" / "adapter")  # a training output
+    directory = export_adapter_dir(tmp_path / "run", tmp_path / "v3", "vllm_3d")
+    experts = tiny_cfg.text.n_routed_experts
+    lora_model = names.load_lora_model(directory, experts, max_lora_rank=2 * RANK)  # fused gate_up at rank 2r
+    layer = tiny_cfg.decoder_start
+    name = f"language_model.model.layers.{layer}.ffn.experts"
+    assert torch.is_tensor(lora_model.loras[name].lora_a) and f"{name}.base_layer" in lora_model.loras
+    manager = SimpleNamespace(_get_lora_layer_weights=lambda lm, n: lm.get_lora(n),
+                              _pop_lora_weights=lambda lm, ns: [lm.loras.pop(n, None) for n in ns],
+                              model=SimpleNamespace(config=SimpleNamespace(architectures=["DeepseekV41ForCausalLM"])))
+    module = SimpleNamespace(local_num_experts=experts, global_num_experts=experts, ep_rank=0)
+    for lw in lora_model.loras.values():
+        lw.optimize()  # fold alpha/r into B first, as the manager does before the conversion
+    LoRAModelManager._convert_3d_to_2d_moe_lora(manager, lora_model, module, name)
+    fused = lora_model.loras[name]
+    for i, proj in enumerate(("w1", "w2", "w3")):
+        for e in (0, experts - 1):
+            want = model.get_submodule(f"layers.{layer}.ffn.experts.{e}.{proj}").delta_weight()
+            torch.testing.assert_close(fused.lora_b[i][e] @ fused.lora_a[i][e], want, rtol=1e-6, atol=1e-6)
