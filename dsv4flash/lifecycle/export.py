@@ -17,7 +17,6 @@ Both write into a temp directory, fsync, then rename: a crash leaves the old dir
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,10 @@ import torch
 from dsv4flash.lifecycle.errors import AdapterFormatError
 from dsv4flash.lifecycle.faults import crashpoint
 from dsv4flash.lifecycle.packed import EXPERT_PROJECTIONS, PackedMoELoRA
-from dsv4flash.lifecycle.safetensors_io import read_safetensors, write_safetensors
+from dsv4flash.lifecycle.safetensors_io import write_safetensors
 from dsv4flash.lora.layouts import detect_modes
-from dsv4flash.lora.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_files, read_adapter_tensors, write_adapter_dir
+from dsv4flash.lora.peft_io import (CONFIG_NAME, WEIGHTS_NAME, adapter_files, read_adapter_config, read_adapter_tensors,
+                                    read_adapter_weights, write_adapter_dir)
 from dsv4flash.lora.state import PEFT_PREFIX
 
 __all__ = ["export_peft", "import_peft", "export_vllm_3d", "import_vllm_3d", "export_adapter_dir", "read_adapter_dir",
@@ -57,26 +57,6 @@ def _write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
     with open(path, "wb") as f:
         write_safetensors(f, tensors, {"format": "pt"}, on_progress=progress)
-
-
-def _read_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
-    directory = Path(directory)
-    cfg_path, weights = directory / CONFIG_NAME, directory / WEIGHTS_NAME
-    if not cfg_path.is_file():
-        raise AdapterFormatError(f"{cfg_path}: missing (not a PEFT adapter directory)")
-    try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise AdapterFormatError(f"{cfg_path}: not valid JSON ({exc})") from None
-    if config.get("peft_type") != "LORA":
-        raise AdapterFormatError(f"{cfg_path}: peft_type is {config.get('peft_type')!r}, expected 'LORA'")
-    if not weights.is_file():
-        raise AdapterFormatError(f"{weights}: missing adapter weights")
-    tensors, _ = read_safetensors(weights)
-    bad = [k for k in tensors if not k.startswith(PEFT_PREFIX)]
-    if bad:
-        raise AdapterFormatError(f"{weights}: tensor {bad[0]!r} lacks the PEFT prefix {PEFT_PREFIX!r}")
-    return config, {k.removeprefix(PEFT_PREFIX): v for k, v in tensors.items()}, weights
 
 
 # ---- PEFT / vLLM 2-D / Megatron / packed: the layouts of dsv4flash.lora.layouts ----
@@ -135,7 +115,8 @@ def export_vllm_3d(adapter: PackedMoELoRA, directory: str | os.PathLike, *, base
 
 def import_vllm_3d(directory: str | os.PathLike) -> PackedMoELoRA:
     """Read a 3-D fused MoE LoRA directory into packed form (exact for our exports and shared-A adapters)."""
-    config, tensors, weights = _read_dir(directory)
+    config, tensors = read_adapter_config(directory), read_adapter_weights(directory)
+    weights = Path(directory) / WEIGHTS_NAME
     r, alpha = int(config["r"]), float(config["lora_alpha"])
     gu_rank = int(config.get("rank_pattern", {}).get(_GATE_UP, r))
     gu_alpha = float(config.get("alpha_pattern", {}).get(_GATE_UP, alpha))
@@ -192,8 +173,6 @@ def adapter_source(path: str | os.PathLike) -> Path:
 
 def read_adapter_dir(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(adapter config with its dsv4flash section, canonical tensors) of a directory in any layout, 3-D included."""
-    from dsv4flash.lora.peft_io import read_adapter_config
-
     directory = adapter_source(path)
     data = read_adapter_config(directory)
     if (data.get("dsv4flash") or {}).get("layout") == VLLM_3D:

@@ -150,7 +150,14 @@ def read_adapter_tensors(directory: str | os.PathLike, hint: LoraConfig | None =
     directory = Path(directory)
     data = read_adapter_config(directory)
     layout, wo_a, experts = _layout_of(data, hint, _section_path(directory))
-    weights = directory / WEIGHTS_NAME
+    tensors = read_adapter_weights(directory)
+    return data, from_layout(tensors, layout, rank=int(data["r"]), wo_a_lora=wo_a, expert_lora=experts,
+                             source=str(directory / WEIGHTS_NAME))
+
+
+def read_adapter_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The file tensors of an adapter directory, keys without `base_model.model.` (errors name the file)."""
+    weights = Path(directory) / WEIGHTS_NAME
     if not weights.is_file():
         raise FileNotFoundError(f"{weights}: missing adapter weights")
     try:
@@ -160,9 +167,7 @@ def read_adapter_tensors(directory: str | os.PathLike, hint: LoraConfig | None =
     bad = [k for k in tensors if not k.startswith(PEFT_PREFIX)]
     if bad:
         raise ValueError(f"{weights}: tensor {bad[0]!r} lacks the PEFT prefix {PEFT_PREFIX!r}")
-    tensors = {k.removeprefix(PEFT_PREFIX): v for k, v in tensors.items()}
-    return data, from_layout(tensors, layout, rank=int(data["r"]), wo_a_lora=wo_a, expert_lora=experts,
-                             source=str(weights))
+    return {k.removeprefix(PEFT_PREFIX): v for k, v in tensors.items()}
 
 
 def load_peft_adapter(model: nn.Module, directory: str | os.PathLike) -> LoraHandle:
