@@ -3,7 +3,7 @@
 `run_local(cfg, output_dir, base_dir)` builds the reference model, loads the base, places LoRA, trains
 with progress and periodic validation, checkpoints for bit-identical resume, and writes the outputs:
 
-    output_dir/adapter/            PEFT adapter (adapter_config.json + adapter_model.safetensors)  [LoRA runs]
+    output_dir/adapter/            PEFT adapter (adapter_config.json + adapter_model.safetensors + dsv4flash_adapter.json)  [LoRA runs]
     output_dir/model/              full model in base format (model.safetensors, config.json, ...)  [no LoRA]
     output_dir/revision.json       the new adapter revision: content hash, parent base, step, metrics
     output_dir/summary.json        run summary

@@ -13,7 +13,8 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Subcommands of `dsv4flash lifecycle`."""
-    parser.add_argument("--root", required=True, help="store root (blobs/ and, by default, catalog.sqlite)")
+    parser.add_argument("--root", default=None, help="store root (blobs/ and, by default, catalog.sqlite); required "
+                        "except to export a directory")
     parser.add_argument("--catalog", default=None, help="catalog URL (default: <root>/catalog.sqlite; postgresql://… for shared)")
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser("init", help="create an empty store at --root (every other command needs an existing one)")
@@ -35,11 +36,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gc = sub.add_parser("gc", help="delete bytes no live revision references")
     gc.add_argument("--grace", type=float, default=3600.0, help="keep unreferenced blobs younger than this (s)")
     gc.add_argument("--dry-run", action="store_true")
-    ex = sub.add_parser("export", help="write a packed revision as a PEFT (per-expert) or vLLM 3-D directory")
-    ex.add_argument("ref")
+    ex = sub.add_parser("export", help="write a store revision, a training output or an adapter directory in a layout "
+                                       "PEFT, vLLM, Megatron or the store load (see docs/lora.md)")
+    ex.add_argument("ref", help="revision id / policy[:tag] in --root, or a directory: a `python -m dsv4flash.train` "
+                                "output or an adapter directory of any format")
     ex.add_argument("out")
-    ex.add_argument("--layout", choices=("peft", "vllm3d"), default="peft")
+    ex.add_argument("--format", "--layout", dest="format", choices=_formats(), default="peft",
+                    help="peft (stock PEFT, vLLM), vllm (vLLM at rank r), megatron, packed (the store's), vllm_3d "
+                         "(vLLM fused 3-D MoE)")
     ex.add_argument("--overwrite", action="store_true")
+
+
+def _formats() -> tuple[str, ...]:
+    from dsv4flash.lifecycle.export import FORMATS
+
+    return FORMATS + ("vllm3d",)  # vllm3d: the earlier spelling of vllm_3d
 
 
 def _short(rev: str | None) -> str:
@@ -70,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from dsv4flash.lifecycle.store import AdapterStore
 
+    if args.action == "export":
+        return _export(args)
+    if args.root is None:
+        return _user_error(f"dsv4flash lifecycle {args.action}: --root is required")
     with AdapterStore.open(args.root, args.catalog, create=args.action == "init") as store:
         cat = store.catalog
         if args.action == "init":
@@ -100,13 +115,44 @@ def _run(args: argparse.Namespace) -> int:
             print(_short(cat.rollback(args.policy, args.tag, args.to).id))
         elif args.action == "gc":
             print(store.gc(grace_s=args.grace, dry_run=args.dry_run))
-        elif args.action == "export":
-            from dsv4flash.lifecycle.export import export_peft, export_vllm_3d
-            from dsv4flash.lifecycle.packed import PackedMoELoRA
-
-            adapter = store.load_adapter(args.ref)
-            if not isinstance(adapter, PackedMoELoRA):
-                raise SystemExit(f"revision {args.ref} is not a packed MoE LoRA revision; only those export to PEFT/vLLM layouts")
-            write = export_peft if args.layout == "peft" else export_vllm_3d
-            print(write(adapter, args.out, overwrite=args.overwrite))
     return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    """`export`: a directory needs no store; a revision is read from --root. User errors exit 2 (no traceback)."""
+    from pathlib import Path
+
+    from dsv4flash.lifecycle.errors import AdapterFormatError
+    from dsv4flash.lifecycle.export import VLLM_3D, export_adapter_dir, export_peft, export_vllm_3d
+
+    fmt = VLLM_3D if args.format == "vllm3d" else args.format
+    try:
+        if Path(args.ref).is_dir():
+            print(export_adapter_dir(args.ref, args.out, fmt, overwrite=args.overwrite))
+            return 0
+        if args.root is None:
+            return _user_error(f"dsv4flash lifecycle export: {args.ref} is not a directory; to export a store revision "
+                               "pass --root")
+        from dsv4flash.lifecycle.packed import PackedMoELoRA
+        from dsv4flash.lifecycle.store import AdapterStore
+
+        with AdapterStore.open(args.root, args.catalog) as store:
+            adapter = store.load_adapter(args.ref)
+        if not isinstance(adapter, PackedMoELoRA):
+            return _user_error(f"dsv4flash lifecycle export: revision {args.ref} is not a packed MoE LoRA revision; "
+                               "only those export to the PEFT/vLLM layouts")
+        if fmt == VLLM_3D:
+            print(export_vllm_3d(adapter, args.out, overwrite=args.overwrite))
+        else:
+            print(export_peft(adapter, args.out, overwrite=args.overwrite, layout=fmt))
+    except (AdapterFormatError, ValueError, FileNotFoundError, FileExistsError, KeyError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # KeyError's str() adds quotes
+        return _user_error(f"dsv4flash lifecycle export: {message}")
+    return 0
+
+
+def _user_error(message: str) -> int:
+    import sys
+
+    print(f"error: {message}", file=sys.stderr)
+    return 2

@@ -40,33 +40,68 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: p.detach() for k, p in lora_parameters(model).items()}
 
 
-def load_lora_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True,
-                         source: str = "<state dict>") -> list[str]:
-    """Copy adapter tensors into the model (keys canonical, optionally PEFT-prefixed); returns keys loaded.
+def check_lora_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True,
+                          source: str = "<state dict>") -> None:
+    """Raise unless `state` fits the model's placement: every key (with `strict`: and no other), exact shapes.
 
-    Shapes must match exactly; with `strict`, missing and unexpected keys are errors naming them.
+    Errors name the tensor and what was expected (the module the placement adapts and its shape, or why the
+    placement has no adapter there). Works on a `meta` model.
     """
-    require_handle(model, "load_lora_state_dict")
+    handle = require_handle(model, "check_lora_state_dict")
     params = lora_parameters(model)
     given = {k.removeprefix(PEFT_PREFIX): v for k, v in state.items()}
     missing = [k for k in params if k not in given]
     unexpected = [k for k in given if k not in params]
     if strict and (missing or unexpected):
+        first = missing[0] if missing else unexpected[0]
+        why = (f"the placement adapts {first.rsplit('.lora_', 1)[0]}, expected shape {list(params[first].shape)}"
+               if missing else explain_unexpected(model, handle, first))
         raise KeyError(f"{source}: adapter keys do not match the model's LoRA placement: missing {missing[:5]}"
                        f"{' …' if len(missing) > 5 else ''} ({len(missing)}), unexpected {unexpected[:5]}"
-                       f"{' …' if len(unexpected) > 5 else ''} ({len(unexpected)})")
+                       f"{' …' if len(unexpected) > 5 else ''} ({len(unexpected)}); {first}: {why}")
+    for key, value in given.items():
+        if key in params and tuple(value.shape) != tuple(params[key].shape):
+            raise ValueError(f"{source}: tensor {key!r} has shape {list(value.shape)}, the model's adapter "
+                             f"expects {list(params[key].shape)} (placement rank {handle.config.rank})")
+
+
+def load_lora_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool = True,
+                         source: str = "<state dict>") -> list[str]:
+    """Copy adapter tensors into the model (keys canonical, optionally PEFT-prefixed); returns keys loaded.
+
+    Checked first by `check_lora_state_dict` (exact shapes; with `strict`, no missing or unexpected keys).
+    """
+    check_lora_state_dict(model, state, strict=strict, source=source)
+    params = lora_parameters(model)
     loaded = []
     with torch.no_grad():
-        for key, value in given.items():
-            if key not in params:
-                continue
-            param = params[key]
-            if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"{source}: tensor {key!r} has shape {list(value.shape)}, the model's adapter "
-                                 f"expects {list(param.shape)}")
-            param.copy_(value.to(device=param.device))
-            loaded.append(key)
+        for key, value in state.items():
+            key = key.removeprefix(PEFT_PREFIX)
+            if key in params:
+                params[key].copy_(value.to(device=params[key].device))
+                loaded.append(key)
     return loaded
+
+
+def explain_unexpected(model: nn.Module, handle, key: str) -> str:
+    """Why the model's placement has no adapter tensor `key` (frozen KV writer, layer range, rules, no such module)."""
+    from dsv4flash.lora.targets import candidates, kv_write_modules, layer_ids, layer_of
+
+    cfg = handle.config
+    module = key.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0]
+    probe = module.replace(".ffn.experts.", ".ffn.experts.0.") if module.count(".experts.") == 1 and \
+        module.split(".ffn.experts.")[-1] in ("w1", "w2", "w3") else module
+    names = {c.name for c in candidates(model)}
+    if probe not in names:
+        return f"{module} is not a LoRA-capable module of this model"
+    if cfg.freeze_kv_write and probe in kv_write_modules(model):
+        return (f"placement {cfg.preset!r} freezes the CED source layer's KV writers (freeze_kv_write), so {module} "
+                "never carries LoRA")
+    layer = layer_of(probe)
+    text = model.cfg.text
+    if layer is not None and layer not in layer_ids(cfg.layers, text.num_hidden_layers, model.cfg.decoder_start):
+        return f"layer {layer} is outside placement {cfg.preset!r}'s layers={cfg.layers!r}"
+    return f"placement {cfg.preset!r} does not target {module} (include={cfg.include}, exclude={cfg.exclude})"
 
 
 def zero_lora(model: nn.Module, group: str | Iterable[str] | None = None) -> list[str]:

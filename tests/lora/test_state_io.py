@@ -46,7 +46,7 @@ def test_peft_round_trip_is_bit_exact(make_model, tmp_path, vl_batch, cfg):
     ids, types, images = vl_batch
     model, handle = _trained(make_model, cfg)
     path = save_peft_adapter(model, handle, tmp_path / "adapter")
-    assert sorted(os.listdir(path)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(os.listdir(path)) == ["adapter_config.json", "adapter_model.safetensors", "dsv4flash_adapter.json"]
     assert os.listdir(tmp_path) == ["adapter"]  # no temp directory left behind
     fresh = make_model()
     fresh_handle = load_peft_adapter(fresh, path)  # rebuilds the placement from the directory
@@ -59,20 +59,79 @@ def test_peft_round_trip_is_bit_exact(make_model, tmp_path, vl_batch, cfg):
 
 
 def test_peft_files_describe_the_layout(make_model, tmp_path, tiny_cfg):
+    import re
+
     model, handle = _trained(make_model)
     path = save_peft_adapter(model, handle, tmp_path / "a", base_model_name_or_path="tiny")
     config = json.loads((path / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == ("LORA", 16, 32.0, "tiny")
-    ours = config["dsv4flash"]
-    n = tiny_cfg.text.num_hidden_layers
+    assert config["task_type"] == "CAUSAL_LM" and "dsv4flash" not in config  # stock PEFT sees only its own keys
+    ours = json.loads((path / "dsv4flash_adapter.json").read_text())
+    n, groups, experts = tiny_cfg.text.num_hidden_layers, tiny_cfg.text.o_groups, tiny_cfg.text.n_routed_experts
+    assert (ours["format"], ours["layout"], ours["wo_a_lora"], ours["expert_lora"]) == \
+        ("dsv4flash-lora/2", "peft", "per_group", "per_expert")
     assert ours["grouped_modules"] == sorted(f"layers.{i}.attn.wo_a" for i in range(n))
-    assert ours["packed_experts"] == sorted(f"layers.{i}.ffn.experts.{w}" for i in range(n) for w in ("w1", "w2", "w3"))
-    assert not any("wo_a" in m or ".experts." in m for m in config["target_modules"])
     assert ours["trainable_params"] == handle.trainable_params
+    # wo_a: a PEFT parameter LoRA at rank G·r (alpha G·alpha: same scaling); experts: one 2-D LoRA per expert
+    assert config["target_parameters"] == sorted(f"layers.{i}.attn.wo_a.weight" for i in range(n))
+    assert config["rank_pattern"] == {r"attn\.wo_a(\.weight)?": groups * 16}
+    assert config["alpha_pattern"] == {r"attn\.wo_a(\.weight)?": groups * 32.0}
+    target = re.compile(config["target_modules"])
+    assert target.fullmatch("layers.3.ffn.experts.7.w2") and target.fullmatch("layers.3.attn.wq_a")
+    assert not target.fullmatch("layers.3.attn.wo_a") and not target.fullmatch("layers.3.ffn.experts.w2")
+    assert not target.fullmatch("layers.3.attn.indexer.wq_b")
     tensors = load_file(str(path / "adapter_model.safetensors"))
     assert all(k.startswith("base_model.model.") for k in tensors)
-    assert len(tensors) == 2 * len(handle.adapters)  # packed: 3 projections × 2 per layer, not E × 3 × 2
-    assert tensors["base_model.model.layers.2.ffn.experts.w3.lora_A.weight"].shape == (8, 16, 64)
+    stem = "base_model.model.layers.2"
+    a, b = lora_state_dict(model)["layers.2.attn.wo_a.lora_A.weight"], lora_state_dict(model)["layers.2.attn.wo_a.lora_B.weight"]
+    assert torch.equal(tensors[f"{stem}.attn.wo_a.lora_A.weight"], a.reshape(groups * 16, -1))
+    assert torch.equal(tensors[f"{stem}.attn.wo_a.lora_B.weight"], torch.block_diag(*b))
+    packed = lora_state_dict(model)["layers.2.ffn.experts.w3.lora_A.weight"]
+    assert torch.equal(tensors[f"{stem}.ffn.experts.5.w3.lora_A.weight"], packed[5])
+    assert not any(re.search(r"ffn\.experts\.w[123]\.", k) for k in tensors)
+    n_experts_tensors = 2 * 3 * experts * n
+    assert len(tensors) == 2 * len(handle.adapters) - 2 * 3 * n + n_experts_tensors
+
+
+@pytest.mark.parametrize("cfg", [LoraConfig(preset="full_linear"),
+                                 LoraConfig(preset="no_down_proj", expert_lora="shared_outer", wo_a_lora="shared_a")])
+def test_every_layout_round_trips_bit_exactly_into_every_other(make_model, tmp_path, cfg):
+    from dsv4flash.lora.layouts import LAYOUTS, from_layout, to_layout
+
+    model, handle = _trained(make_model, cfg)
+    canonical = lora_state_dict(model)
+    for source in LAYOUTS:
+        files = to_layout(canonical, source).tensors
+        back = from_layout(files, source, rank=cfg.rank, wo_a_lora=cfg.wo_a_lora, expert_lora=cfg.expert_lora)
+        assert _bit_equal(back, canonical), source
+        for target in LAYOUTS:  # directory in one layout -> directory in another -> same tensors
+            save_peft_adapter(model, handle, tmp_path / source, layout=source, overwrite=True)
+            fresh = make_model()
+            load_peft_adapter(fresh, tmp_path / source)
+            save_peft_adapter(fresh, None, tmp_path / target, layout=target, overwrite=True)
+            again = make_model()
+            load_peft_adapter(again, tmp_path / target)
+            assert _bit_equal(lora_state_dict(again), canonical), (source, target)
+
+
+def test_legacy_packed_directories_still_load(make_model, tmp_path, ids):
+    """A `dsv4flash-lora/1` directory (packed tensors, the LoraConfig in the section) loads unchanged."""
+    model, handle = _trained(make_model, "decoder_half")
+    path = save_peft_adapter(model, handle, tmp_path / "v1", layout="packed")
+    config = json.loads((path / "adapter_config.json").read_text())
+    ours = json.loads((path / "dsv4flash_adapter.json").read_text())
+    (path / "dsv4flash_adapter.json").unlink()  # v1 carried the section inline
+    legacy = {"format": "dsv4flash-lora/1", "lora_config": ours["lora_config"], "base": ours["base"],
+              "grouped_modules": ours["grouped_modules"], "packed_experts": ours["packed_experts"],
+              "trainable_params": ours["trainable_params"]}
+    (path / "adapter_config.json").write_text(json.dumps({**config, "dsv4flash": legacy}))
+    assert len(load_file(str(path / "adapter_model.safetensors"))) == 2 * len(handle.adapters)
+    fresh = make_model()
+    load_peft_adapter(fresh, path)
+    assert _bit_equal(lora_state_dict(fresh), lora_state_dict(model))
+    (path / "adapter_config.json").write_text(json.dumps({**config, "dsv4flash": {**legacy, "format": "dsv4flash-lora/9"}}))
+    with pytest.raises(ValueError, match="dsv4flash.format is 'dsv4flash-lora/9'"):
+        load_peft_adapter(make_model(), path)
 
 
 def test_save_is_atomic_and_refuses_to_clobber(make_model, tmp_path, monkeypatch):
@@ -105,16 +164,22 @@ def test_load_errors_name_the_file_and_tensor(make_model, tmp_path):
     key = "base_model.model.layers.3.attn.wq_a.lora_B.weight"
 
     save_file({k: v for k, v in tensors.items() if k != key}, str(weights))
-    with pytest.raises(KeyError, match=r"adapter_model.safetensors.*missing \['layers.3.attn.wq_a.lora_B.weight'\]"):
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors: layers.3.attn.wq_a.lora_A.weight has no "
+                                         r"layers.3.attn.wq_a.lora_B.weight"):
+        load_peft_adapter(make_model(), path)
+    save_file({k: v for k, v in tensors.items() if ".layers.3.attn.wq_a." not in k}, str(weights))
+    with pytest.raises(KeyError, match=r"adapter_model.safetensors.*missing \['layers.3.attn.wq_a.lora_A.weight', "
+                                       r"'layers.3.attn.wq_a.lora_B.weight'\].*the placement adapts layers.3.attn.wq_a, "
+                                       r"expected shape \[16, 64\]"):
         load_peft_adapter(make_model(), path)
     save_file({**tensors, key: torch.zeros(3, 3)}, str(weights))
     with pytest.raises(ValueError, match=r"'layers.3.attn.wq_a.lora_B.weight' has shape \[3, 3\]"):
         load_peft_adapter(make_model(), path)
 
-    config = json.loads((path / "adapter_config.json").read_text())
-    config["dsv4flash"]["base"]["hidden_size"] = 128
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="hidden_size=128"):
+    section = json.loads((path / "dsv4flash_adapter.json").read_text())
+    section["base"]["hidden_size"] = 128
+    (path / "dsv4flash_adapter.json").write_text(json.dumps(section))
+    with pytest.raises(ValueError, match="dsv4flash_adapter.json: .*hidden_size=128"):
         load_peft_adapter(make_model(), path)
     other = make_model()
     apply_lora(other, "full_linear_r8")

@@ -79,6 +79,24 @@ def test_peft_export_loads_into_the_reference_with_the_same_logits(adapted, mbri
     ids = torch.randint(0, 500, (1, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), reference.eval()(ids), rtol=0, atol=1e-5)
+    # the `megatron` layout is what the bridge streams: same names, shapes and values
+    from dsv4flash.lora import lora_state_dict
+    from dsv4flash.lora.layouts import to_layout
+
+    streamed = {n: t for n, t in mbridge.register()().stream_adapter_weights_megatron_to_hf([model], show_progress=False)}
+    files = to_layout(lora_state_dict(reference), "megatron").tensors
+    assert streamed.keys() == files.keys() and all(torch.equal(streamed[k], files[k]) for k in files)
+    # and stock PEFT loads the export on the transformers class built from the release directory
+    import warnings
+
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(missing|unexpected).*keys.*")
+        wrapped = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(release), out)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(input_ids=ids).logits, reference(ids), rtol=0, atol=1e-5)
 
 
 def test_merged_export_folds_the_grouped_delta_before_requantizing(adapted, mbridge, release, tmp_path):

@@ -86,6 +86,9 @@ def test_tensor_adapter_loads_like_vllm_033(patch_form, vllm_cpu, restore_load_a
     assert lora.is_3d_lora_weight is True
     plain = LRUCacheWorkerLoRAManager._load_adapter(_worker(), _request(_tensors()))
     assert plain.is_3d_lora_weight is False and len([n for n in plain.loras if ".experts." in n]) == 12
+    # a parameter LoRA on wo_a (dsv4flash's PEFT layout) beside 2-D experts is not a fused MoE payload
+    wo_a_param = LRUCacheWorkerLoRAManager._load_adapter(_worker(), _request(_tensors(), ["layers.0.attn.wo_a.weight"]))
+    assert wo_a_param.is_3d_lora_weight is False
     torch.testing.assert_close(lora.loras["model.layers.0.attn.wo_a"].lora_a,
                                _tensors()[f"{P}layers.0.attn.wo_a.lora_A.weight"])
     patch_form.record("names", names)

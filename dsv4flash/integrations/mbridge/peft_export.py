@@ -1,16 +1,14 @@
-"""Adapters of a Megatron model -> the plugin's PEFT directory (`dsv4flash.lora.peft_io` format).
+"""Adapters of a Megatron model -> a PEFT directory in `dsv4flash.lora.peft_io`'s (default: `peft`) layout.
 
 `save_peft_adapter(model, directory)` streams the unmerged adapters through `DSV41Bridge` (release names,
 tensor-parallel shards gathered), packs per-expert factors into the stacked layout ([E, r, in] / [E, out, r]),
 derives the `LoraConfig` placement they form, and checks every tensor against that placement applied to
 the reference model on the meta device — so `dsv4flash.lora.load_peft_adapter(reference_model, directory)`
-loads the result strictly. The block-diagonal `wo_a` factors keep their per-group shapes (PEFT's own
-`target_modules` cannot express them; the `dsv4flash` section of `adapter_config.json` lists them).
+loads the result strictly, and stock PEFT / vLLM load it too (`dsv4flash.lora.layouts` does the layout).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections import defaultdict
@@ -18,9 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dsv4flash.atomic_io import publish_directory
 from dsv4flash.lora.config import LoraConfig
-from dsv4flash_bridge.safetensors_io import save_file
 
 __all__ = ["save_peft_adapter", "collect_adapters"]
 
@@ -97,8 +93,8 @@ def save_peft_adapter(megatron_model, directory: str | os.PathLike, *, base_mode
     """Write the Megatron model's adapters as a PEFT directory loadable by `dsv4flash.lora.load_peft_adapter`."""
     from dsv4flash.integrations.mbridge import register
     from dsv4flash.lora.apply import apply_lora
-    from dsv4flash.lora.peft_io import CONFIG_NAME, WEIGHTS_NAME, adapter_config
-    from dsv4flash.lora.state import PEFT_PREFIX, lora_parameters
+    from dsv4flash.lora.peft_io import model_adapter_files, write_adapter_dir
+    from dsv4flash.lora.state import lora_parameters
     from dsv4flash.model.transformer import Transformer
 
     bridge = register()()
@@ -116,17 +112,5 @@ def save_peft_adapter(megatron_model, directory: str | os.PathLike, *, base_mode
         wrong = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
         raise ValueError(f"save_peft_adapter: exported adapters do not form a reference placement: missing "
                          f"{missing[:3]}, unexpected {extra[:3]}, wrong shape {[(k, got[k], expected[k]) for k in wrong[:3]]}")
-    config = adapter_config(reference, handle, base_model_name_or_path)
-    return _write_dir(Path(directory), {PEFT_PREFIX + k: v.contiguous() for k, v in tensors.items()}, config,
-                      WEIGHTS_NAME, CONFIG_NAME, overwrite)
-
-
-def _write_dir(target: Path, tensors: dict, config: dict, weights_name: str, config_name: str,
-               overwrite: bool) -> Path:
-    """Build the directory next to `target`, then rename it into place (never half-written)."""
-
-    def write(tmp: Path) -> None:
-        save_file(tensors, tmp / weights_name, {"format": "pt"})
-        (tmp / config_name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-    return publish_directory(target, write, overwrite=overwrite, what="peft export")
+    config, files = model_adapter_files(reference, handle, tensors, base_model_name_or_path)
+    return write_adapter_dir(Path(directory), config, files, overwrite=overwrite, what="peft export")

@@ -27,8 +27,12 @@ def rename_mapper(model):
 
 
 def is_3d_payload(peft_config: Mapping | None) -> bool:
-    """Whether a PEFT config describes fused 3-D MoE LoRA (`target_parameters`, PEFT >= 0.18)."""
-    return bool((peft_config or {}).get("target_parameters"))
+    """Whether a PEFT config describes fused 3-D MoE LoRA (`target_parameters` on the experts, PEFT >= 0.18).
+
+    Other parameter targets are not MoE payloads: dsv4flash's PEFT layout puts the grouped `attn.wo_a` (and an
+    opt-in router) there while its routed experts stay 2-D per expert."""
+    return any(".experts." in name or name.startswith("experts.")
+               for name in (peft_config or {}).get("target_parameters") or ())
 
 
 def local_expert_tensors(tensors: Mapping[str, torch.Tensor], ep_spec) -> dict[str, torch.Tensor]:
