@@ -128,7 +128,7 @@ class Attention(nn.Module):
             compress_kv = fake_quant_compressed_kv(apply_rope(latent, group_rot))
             if cache is not None:
                 compress_kv, index_k = cache.keep_source(plan.layer_id, compress_kv, index_k,
-                                                         grouped[:, latent.shape[1] * plan.ratio:])
+                                                         grouped[:, latent.shape[1] * plan.ratio:].clone())
             state = state.publish(compress_kv=compress_kv, index_k=index_k, ratio=plan.ratio, kv_layer=plan.layer_id)
         if state.kv_layer != plan.kv_source:
             raise RuntimeError(f"layer {plan.layer_id}: expected compressed KV of layer {plan.kv_source}, "

@@ -20,20 +20,60 @@ import torch
 
 @dataclass(frozen=True)
 class SourceSegment:
-    """One kv-source layer's compressed stream over the tokens so far."""
+    """One kv-source layer's compressed stream over the tokens so far.
 
-    compress_kv: torch.Tensor  # [B, T, head_dim] RoPE'd, FP4-fake-quantised latents of the complete groups
-    index_k: torch.Tensor  # [B, T, index_head_dim] FP4-fake-quantised index keys
+    The entries of the first chunk (the prompt) are kept apart from those appended by later decode steps, so
+    every continuation forked from one prompt (samples, adapters) keeps referencing the same prompt tensors
+    instead of copying them into its own growing stream.
+    """
+
+    prompt_kv: torch.Tensor  # [B, T0, head_dim] RoPE'd, FP4-fake-quantised latents written by the first chunk
+    prompt_index_k: torch.Tensor  # [B, T0, index_head_dim] FP4-fake-quantised index keys of those groups
+    appended_kv: torch.Tensor  # [B, T1, head_dim] groups completed by later chunks
+    appended_index_k: torch.Tensor  # [B, T1, index_head_dim]
     pending: torch.Tensor  # [B, n < ratio, D] attn_norm'd inputs of the open group (ratio 1: always empty)
 
     @property
     def groups(self) -> int:
         """Complete groups (compressed entries) so far."""
-        return self.compress_kv.shape[1]
+        return self.prompt_kv.shape[1] + self.appended_kv.shape[1]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor held, in field order."""
+        return (self.prompt_kv, self.prompt_index_k, self.appended_kv, self.appended_index_k, self.pending)
+
+    def compress_kv(self) -> torch.Tensor:
+        """[B, T, head_dim] every complete group."""
+        return _joined(self.prompt_kv, self.appended_kv)
+
+    def index_k(self) -> torch.Tensor:
+        """[B, T, index_head_dim] every complete group's index key."""
+        return _joined(self.prompt_index_k, self.appended_index_k)
 
     def select(self, rows: torch.Tensor) -> "SourceSegment":
         """The segment of batch rows `rows` (repeats allowed)."""
-        return SourceSegment(*(t.index_select(0, rows) for t in (self.compress_kv, self.index_k, self.pending)))
+        return SourceSegment(*(_rows(t, rows) for t in self.tensors()))
+
+
+def _joined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    return first if second.shape[1] == 0 else torch.cat([first, second], dim=1)
+
+
+def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    # Fanning one row out (a prompt to its samples) is a view: the forks share the prompt's memory.
+    if t.shape[0] == 1:
+        return t.expand(rows.numel(), *t.shape[1:])
+    return t.index_select(0, rows)
+
+
+def storage_bytes(*caches: "DecodeCache") -> int:
+    """Bytes of distinct memory held by the given caches together (shared tensors and views counted once)."""
+    seen: dict[int, int] = {}
+    for cache in caches:
+        for t in cache.tensors():
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
 
 
 @dataclass(frozen=True)
@@ -45,6 +85,7 @@ class DecodeCache:
     sources: dict[int, SourceSegment]  # kv-source layer id -> its compressed stream
     ngram_ids: torch.Tensor  # [B, ≤ max_ngram−1] last input ids (Engram look-back)
     ngram_types: torch.Tensor  # [B, ≤ max_ngram−1] their token types (≥ 0: image span, DEAD)
+    ngram_keep: int = 0  # how many trailing tokens the Engram look-back needs (max_ngram − 1)
 
     @property
     def batch_size(self) -> int:
@@ -54,25 +95,22 @@ class DecodeCache:
     def select(self, rows: torch.Tensor | list[int]) -> "DecodeCache":
         """The cache of batch rows `rows` in that order (repeats allowed: one prompt fanned out to n samples)."""
         rows = torch.as_tensor(rows, dtype=torch.int64, device=self.ngram_ids.device)
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.batch_size):
-            raise IndexError(f"DecodeCache.select: rows must lie in [0, {self.batch_size}), got {rows.tolist()}")
-        return DecodeCache(self.length, tuple(None if w is None else w.index_select(0, rows) for w in self.window),
+        if rows.ndim != 1 or (rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.batch_size)):
+            raise IndexError(f"DecodeCache.select: rows must be a list in [0, {self.batch_size}), got {rows.tolist()}")
+        return DecodeCache(self.length, tuple(None if w is None else _rows(w, rows) for w in self.window),
                            {l: s.select(rows) for l, s in self.sources.items()},
-                           self.ngram_ids.index_select(0, rows), self.ngram_types.index_select(0, rows))
+                           _rows(self.ngram_ids, rows), _rows(self.ngram_types, rows), self.ngram_keep)
 
-    def nbytes(self, layers: range | None = None, sources: bool = True) -> int:
-        """Bytes held by the window KV of `layers` (all by default) plus, if `sources`, every source segment."""
-        layers = range(len(self.window)) if layers is None else layers
-        total = sum(self.window[l].nbytes for l in layers if self.window[l] is not None)
-        if sources:
-            total += sum(t.nbytes for s in self.sources.values() for t in (s.compress_kv, s.index_k, s.pending))
-        return total + self.ngram_ids.nbytes + self.ngram_types.nbytes
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds."""
+        held = [w for w in self.window if w is not None] + [t for s in self.sources.values() for t in s.tensors()]
+        return held + [self.ngram_ids, self.ngram_types]
 
     @classmethod
-    def empty(cls, n_layers: int, batch: int, device=None) -> "DecodeCache":
-        """The cache before the first token."""
+    def empty(cls, n_layers: int, batch: int, ngram_keep: int, device=None) -> "DecodeCache":
+        """The cache before the first token; `ngram_keep` = max_ngram − 1 with Engram, else 0."""
         none = torch.zeros(batch, 0, dtype=torch.int64, device=device)
-        return cls(0, (None,) * n_layers, {}, none, none)
+        return cls(0, (None,) * n_layers, {}, none, none, ngram_keep)
 
 
 @dataclass
@@ -96,7 +134,7 @@ class CacheStep:
         """kv [B,S,hd] of this chunk -> [B, W+S, hd]: the cached window keys, then these; keeps the last window−1."""
         cached = self.past.window[layer]
         keys = kv if cached is None else torch.cat([cached, kv], dim=1)
-        self.window[layer] = keys[:, max(keys.shape[1] - (window - 1), 0):]
+        self.window[layer] = keys[:, max(keys.shape[1] - (window - 1), 0):].clone()  # not a view of the chunk
         return keys
 
     def source(self, layer: int) -> SourceSegment | None:
@@ -106,18 +144,25 @@ class CacheStep:
     def keep_source(self, layer: int, compress_kv: torch.Tensor, index_k: torch.Tensor, pending: torch.Tensor):
         """Append this chunk's new groups to the source's stream -> (compress_kv, index_k) over every group."""
         past = self.past.sources.get(layer)
-        if past is not None:
-            compress_kv = torch.cat([past.compress_kv, compress_kv], dim=1)
-            index_k = torch.cat([past.index_k, index_k], dim=1)
-        self.sources[layer] = SourceSegment(compress_kv, index_k, pending)
-        return compress_kv, index_k
+        if past is None:  # the first chunk: its groups stay a separate, shareable part
+            empty_kv, empty_ik = compress_kv[:, :0], index_k[:, :0]
+            segment = SourceSegment(compress_kv, index_k, empty_kv, empty_ik, pending)
+        else:
+            segment = SourceSegment(past.prompt_kv, past.prompt_index_k, _joined(past.appended_kv, compress_kv),
+                                    _joined(past.appended_index_k, index_k), pending)
+        self.sources[layer] = segment
+        return segment.compress_kv(), segment.index_k()
 
-    def finish(self, input_ids: torch.Tensor, token_types: torch.Tensor, keep_ngram: int) -> DecodeCache:
+    def fork(self) -> "CacheStep":
+        """A second view of this chunk with what has been recorded so far (tensors shared, not copied)."""
+        return CacheStep(self.past, dict(self.window), dict(self.sources))
+
+    def finish(self, input_ids: torch.Tensor, token_types: torch.Tensor) -> DecodeCache:
         """The cache after this chunk (input_ids/token_types [B,S] are the chunk's tokens)."""
         past = self.past
         window = tuple(self.window.get(l, w) for l, w in enumerate(past.window))
         ids = torch.cat([past.ngram_ids, input_ids], dim=1)
         types = torch.cat([past.ngram_types, token_types], dim=1)
-        cut = max(ids.shape[1] - keep_ngram, 0)
+        cut = max(ids.shape[1] - past.ngram_keep, 0)
         return DecodeCache(past.length + input_ids.shape[1], window, {**past.sources, **self.sources},
-                           ids[:, cut:], types[:, cut:])
+                           ids[:, cut:].clone(), types[:, cut:].clone(), past.ngram_keep)

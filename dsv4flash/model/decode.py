@@ -31,15 +31,19 @@ def extend(model, cache: DecodeCache, input_ids: torch.Tensor, token_types: torc
     streams, pre_mix, context = model.embed_inputs(input_ids, token_types, images,
                                                    history=(cache.ngram_ids, cache.ngram_types))
     streams, pre_mix, _ = model.run_layers(streams, pre_mix, CSA2State(), dataclasses.replace(context, cache=step))
+    return model.logits(streams, pre_mix), step.finish(input_ids, token_types)
+
+
+def empty_cache(model, batch: int, device=None) -> DecodeCache:
+    """The cache of `batch` rows before their first token."""
     keep = model.cfg.text.engram_max_ngram_size - 1 if model.engram_hasher is not None else 0
-    return model.logits(streams, pre_mix), step.finish(input_ids, token_types, keep)
+    return DecodeCache.empty(len(model.layers), batch, keep, device)
 
 
 def prefill(model, input_ids: torch.Tensor, token_types: torch.Tensor | None = None,
             images: Sequence | None = None) -> tuple[torch.Tensor, DecodeCache]:
     """Prompt input_ids [B,S] (image spans expanded, as for `forward`) -> (logits [B,S,vocab], cache)."""
-    empty = DecodeCache.empty(len(model.layers), input_ids.shape[0], input_ids.device)
-    return extend(model, empty, input_ids, token_types, images)
+    return extend(model, empty_cache(model, input_ids.shape[0], input_ids.device), input_ids, token_types, images)
 
 
 def decode(model, cache: DecodeCache, next_ids: torch.Tensor,
