@@ -3,7 +3,9 @@
 The config is composed from verl's installed tree (`pkg://verl.trainer.config`, `ppo_trainer`) with
 `model_engine=megatron` and one Hydra override per setting below, so veRL's schema checks every key we
 set; then `verl.utils.config.validate_config` (the check `main_ppo` runs) and veRL's typed dataclasses
-(`omega_conf_to_dataclass`) validate the result. Nothing here needs a GPU.
+(`omega_conf_to_dataclass`) validate the result, `HFModelConfig` included: built by veRL from the
+checkpoint's config.json through transformers' AutoConfig (`dsv4flash.hf` registers `deepseek_v41`), or
+from the flavour's config.json when the checkpoint is not on this machine. Nothing here needs a GPU.
 
 LoRA targets: the placement is resolved on the reference model (meta device) exactly as the local engine
 does, then translated to megatron-core module names with the plugin's name map
@@ -257,8 +259,31 @@ def compose_verl(overrides: list[str]) -> DictConfig:
         return compose(config_name=VERL_PRIMARY, overrides=overrides)
 
 
-def validate_verl(config: DictConfig) -> dict[str, Any]:
-    """Run veRL's validators on a composed config -> the typed dataclass sections; raises VerlConfigError."""
+def build_model_config(model_node: DictConfig, model_config: Any = None):
+    """veRL's own `HFModelConfig` from the `actor_rollout_ref.model` section, built as veRL builds it (its
+    `__post_init__` reads config.json through transformers' AutoConfig, which knows `deepseek_v41` once veRL
+    has loaded our plugin). When `model.path` is not on this machine (a cluster path, or unset), it is built
+    from a directory holding `model_config`'s config.json (the config the run asks for), without a tokenizer."""
+    import tempfile
+    from pathlib import Path
+
+    from verl.utils.config import omega_conf_to_dataclass
+
+    node = OmegaConf.to_container(model_node, resolve=True)
+    if Path(str(node["path"])).is_dir():
+        return omega_conf_to_dataclass(OmegaConf.create(node))
+    if model_config is None:
+        raise VerlConfigError(f"actor_rollout_ref.model.path={node['path']!r} is not a directory here; pass the "
+                              "model config to check HFModelConfig against")
+    with tempfile.TemporaryDirectory(prefix="dsv4flash-hfmodelconfig-") as tmp:
+        model_config.save(Path(tmp) / "config.json")
+        return omega_conf_to_dataclass(OmegaConf.create({**node, "path": tmp, "load_tokenizer": False}))
+
+
+def validate_verl(config: DictConfig, model_config: Any = None) -> dict[str, Any]:
+    """Run veRL's validators on a composed config -> the typed dataclass sections (HFModelConfig included);
+    raises VerlConfigError. `model_config` (a DSV41FlashConfig) is what model.path's config.json must be."""
+    import verl  # noqa: F401  (loads the verl.plugins entry points, as every veRL process does)
     from verl.trainer.config import AlgoConfig
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
@@ -271,27 +296,34 @@ def validate_verl(config: DictConfig) -> dict[str, Any]:
             "actor": omega_conf_to_dataclass(config.actor_rollout_ref.actor),
             "rollout": omega_conf_to_dataclass(config.actor_rollout_ref.rollout),
             "algorithm": omega_conf_to_dataclass(config.algorithm),
+            "model": build_model_config(config.actor_rollout_ref.model, model_config),
         }
-        # HFModelConfig.__post_init__ downloads/reads the checkpoint, so the model section is checked against
-        # the dataclass schema (keys and types) without instantiating it.
-        model_node = OmegaConf.to_container(config.actor_rollout_ref.model, resolve=True)
-        model_node.pop("_target_", None)
-        OmegaConf.merge(OmegaConf.structured(HFModelConfig), model_node)
+    except VerlConfigError:
+        raise
     except Exception as err:  # veRL raises AssertionError/ValueError/omegaconf errors alike
         raise VerlConfigError(f"veRL rejected the composed config: {type(err).__name__}: {err}") from err
     if not isinstance(typed["actor"], McoreActorConfig):
         raise VerlConfigError(f"actor config is {type(typed['actor']).__name__}, expected McoreActorConfig")
     if not isinstance(typed["rollout"], RolloutConfig) or not isinstance(typed["algorithm"], AlgoConfig):
         raise VerlConfigError("rollout/algorithm sections did not build veRL's RolloutConfig/AlgoConfig")
+    model = typed["model"]
+    if not isinstance(model, HFModelConfig) or type(model.hf_config).__name__ != "DeepseekV41Config":
+        raise VerlConfigError(f"actor_rollout_ref.model built {type(model.hf_config).__name__}, expected "
+                              "DeepseekV41Config (is the dsv4flash veRL plugin installed?)")
+    if model_config is not None and model.hf_config.to_dsv4flash().to_hf() != model_config.to_hf():
+        raise VerlConfigError(f"{model.local_hf_config_path}/config.json is not the '{model_config.name}' config "
+                              "the run asks for")
     return typed
 
 
 def build_verl_config(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str) -> DictConfig:
     """Compose and validate the complete veRL config for a run."""
+    from dsv4flash.config import load_config
+
     config = compose_verl(verl_overrides(cfg, data_dir=data_dir, output_dir=output_dir, reward_path=reward_path))
-    validate_verl(config)
+    validate_verl(config, load_config(cfg.model.flavour))
     return config
 
 
-__all__ = ["VerlConfigError", "build_verl_config", "compose_verl", "hydra_value", "megatron_lora_targets",
-           "validate_verl", "verl_overrides"]
+__all__ = ["VerlConfigError", "build_model_config", "build_verl_config", "compose_verl", "hydra_value",
+           "megatron_lora_targets", "validate_verl", "verl_overrides"]

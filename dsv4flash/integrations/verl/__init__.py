@@ -64,7 +64,7 @@ def apply(patch_id: str):
 def register(now: bool = False) -> dict:
     """Schedule every veRL twin for when its module is imported (`now=True`: apply all at once)."""
     from dsv4flash import _patching
-    from dsv4flash.integrations.verl.post_import import when_imported
+    from dsv4flash.post_import import when_imported
 
     twins = [t.meta.patch_id for t in _patching.discover().all() if t.meta.distribution == DISTRIBUTION]
     missing = sorted(set(twins) - set(TRIGGERS))

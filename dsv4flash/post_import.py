@@ -1,8 +1,10 @@
 """Run a callback right after a module finishes importing (or now, if it already has).
 
-`import verl` loads plugins before any veRL submodule; each twin patches a module that only some processes
-import (the rollout worker, the Megatron engine). Applying a twin when its module arrives keeps every process
-from importing what it does not use (importing the Megatron engine costs seconds and needs megatron-core).
+Used wherever dsv4flash must act on a third-party module without importing it first: `import verl` loads
+plugins before any veRL submodule, and each veRL twin patches a module that only some processes import (the
+rollout worker, the Megatron engine); `import dsv4flash` registers the transformers classes (`dsv4flash.hf`)
+only once transformers' auto classes are imported. Acting when the module arrives keeps every process from
+importing what it does not use.
 """
 
 from __future__ import annotations
