@@ -4,9 +4,9 @@ Given a model with `prefill`/`decode` (the reference `Transformer`, LoRA applied
 is prefilled once and every new token costs one cached decode step (dsv4flash/model/decode.py). Given any
 other `(ids, types, images) -> logits` callable, every step recomputes the whole sequence: prompts are
 right-padded into one buffer; right padding never changes a causal prefix, so each row reads its next-token
-distribution at its own last position. Both paths draw the same random numbers in the same order. The log-prob of every sampled token under the
-sampling distribution (temperature applied, like vLLM's processed log-probs) is returned with it: those are
-the rollout log-probs the GRPO correction compares against.
+distribution at its own last position. Both paths draw the same random numbers in the same order. The
+log-prob of every sampled token under the sampling distribution (temperature applied, like vLLM's processed
+log-probs) is returned with it: those are the rollout log-probs the GRPO correction compares against.
 
 Rows that share a prompt (a GRPO group) and have sampled the same tokens so far have the same next-token
 distribution, so each step runs the model once per distinct (prompt, prefix) and fans the logits out: the
