@@ -15,6 +15,8 @@ BENCHMARKS: dict[str, str] = {
     "train_step": "LoRA step time: decoder_half with early stop vs full_linear at the same rank, MET/MISS at 0.65",
     "recompute": "CSA2 stack on megatron-core: activation memory and step time, full recompute vs none, MET/MISS",
     "faults": "fault-case table: tried / clean error / correct result / silent wrong / data lost / left behind / hung",
+    "decode": "cached incremental decode vs full recompute tokens/s at 64/256/1024 tokens, prefill tok/s, shared-prefill cache memory",
+    "handoff": "trainer -> sampler handoff: adapter revision vs merged full checkpoint, bytes and time (tiny measured, V4.1 computed)",
     "service": "policy service: shared-encoder multi-adapter throughput (N=1..8) and concurrent vs sequential GRPO makespan/peak RSS",
 }
 

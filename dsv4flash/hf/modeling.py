@@ -6,9 +6,12 @@ prefix) and PEFT's adapter keys `base_model.model.<name>` name release tensors; 
 reference model's own `embed_inputs` / `run_layers` / `logits` on them. `base_model_prefix` is "" because
 the model is its own base model (the release checkpoint has no prefix either).
 
-There is no KV cache yet (the CSA2 decode cache will arrive as `past_key_values`): every step of
-`generate()` runs the full causal forward over the whole sequence, `past_key_values` is never returned, and
-`use_cache` is accepted but cannot make a cache.
+`past_key_values` is the reference model's CSA2 decode cache (`dsv4flash.model.cache.DecodeCache`: window KV
+per layer, compressed KV and index keys per kv source, Engram look-back; docs/decode.md). With `use_cache`
+the first forward prefills and returns it, and `generate()` then runs one cached decode step per token
+(beam search reorders it with `DecodeCache.select`). A padded batch (an `attention_mask` with zeros) cannot
+share one cache (its rows sit at different positions): it runs the full forward per step, with a one-time
+warning.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dsv4flash.hf.configuration import DeepseekV41Config
+from dsv4flash.model.cache import DecodeCache
 from dsv4flash.model.image import TEXT
 from dsv4flash.model.transformer import Transformer
 
@@ -72,8 +76,6 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         """Build the reference model (dtype: torch's default, which `from_config(dtype=...)` sets; seeded init)."""
         super().__init__(config)
         dtype = dtype or torch.get_default_dtype()
-        if self.generation_config is not None:
-            self.generation_config.use_cache = False  # no cache yet: say so rather than pretend (module docstring)
         core = Transformer(config.to_dsv4flash(), dtype=dtype, device=device, seed=seed)
         self.cfg = core.cfg
         for name, child in core._modules.items():
@@ -107,7 +109,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        """False: CSA2 layers keep compressed state a DynamicCache cannot hold (no cache yet)."""
+        """False: CSA2 layers keep compressed state a DynamicCache cannot hold; the model makes its own cache."""
         return False
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
@@ -122,12 +124,22 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                              "Engram n-grams from input_ids); pass input_ids")
         if input_ids is None:
             raise ValueError("DeepseekV41ForCausalLM: input_ids is required")
+        padded = attention_mask is not None and not bool(attention_mask.bool().all())
+        cache = None
         if past_key_values is not None:
-            raise ValueError("DeepseekV41ForCausalLM: no KV cache yet; past_key_values must be None (generate() "
-                             "reruns the full sequence each step)")
-        if use_cache:
-            _warn_no_cache()
-        logits = self._masked_logits(input_ids, attention_mask, token_types, images)  # [B,S,V] fp32
+            if not isinstance(past_key_values, DecodeCache):
+                raise ValueError(f"DeepseekV41ForCausalLM: past_key_values must be the DecodeCache this model "
+                                 f"returned, got {type(past_key_values).__name__}")
+            if padded:
+                raise ValueError("DeepseekV41ForCausalLM: past_key_values with a padded attention_mask: a cache "
+                                 "holds rows of equal length only")
+            logits, cache = self.decode(past_key_values, input_ids, token_types)  # the new tokens only
+        elif use_cache and not padded:
+            logits, cache = self.prefill(input_ids, token_types, images)  # [B,S,V], the prompt's cache
+        else:
+            if use_cache:
+                _warn_no_cache()
+            logits = self._masked_logits(input_ids, attention_mask, token_types, images)  # [B,S,V] fp32
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             logits = logits[:, -logits_to_keep:]
         elif isinstance(logits_to_keep, torch.Tensor):
@@ -135,7 +147,7 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.cfg.text.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=None)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
 
     def _masked_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                        token_types: torch.Tensor | None, images: Sequence | None) -> torch.Tensor:
@@ -160,21 +172,23 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                                       token_types: torch.Tensor | None = None, images: Sequence | None = None,
+                                      past_key_values: DecodeCache | None = None, use_cache: bool | None = None,
                                       **kwargs: Any) -> dict[str, Any]:
-        """The whole sequence every step (no cache); generated positions are text in `token_types`."""
+        """With a cache only the tokens it has not seen, else the whole sequence; generated positions are text."""
         if token_types is not None and token_types.shape[1] < input_ids.shape[1]:
             grow = input_ids.shape[1] - token_types.shape[1]
             token_types = torch.cat([token_types, token_types.new_full((token_types.shape[0], grow), TEXT)], dim=1)
+        if past_key_values is not None:
+            seen = past_key_values.length
+            input_ids = input_ids[:, seen:]
+            token_types = None if token_types is None else token_types[:, seen:]
+            images = None  # image spans live in the prompt, which the cache already holds
         return {"input_ids": input_ids, "attention_mask": attention_mask, "token_types": token_types,
-                "images": images}
+                "images": images, "past_key_values": past_key_values, "use_cache": use_cache}
 
-    def _update_model_kwargs_for_generation(self, outputs, model_kwargs: dict, is_encoder_decoder: bool = False,
-                                            num_new_tokens: int = 1) -> dict:
-        """transformers' update, minus the cache it would carry (there is none)."""
-        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder,
-                                                                   num_new_tokens)
-        model_kwargs.pop("past_key_values", None)
-        return model_kwargs
+    def _reorder_cache(self, past_key_values: DecodeCache, beam_idx: torch.Tensor) -> DecodeCache:
+        """Beam search: the cache rows of the surviving beams."""
+        return past_key_values.select(beam_idx)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @classmethod
@@ -230,9 +244,9 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
 
 @functools.lru_cache(maxsize=1)
 def _warn_no_cache() -> None:
-    """Once per process: use_cache=True cannot make a cache yet."""
-    log.warning("DeepseekV41ForCausalLM: use_cache=True, but there is no KV cache yet; every step reruns the full "
-                "sequence and past_key_values stays None")
+    """Once per process: a padded batch cannot use the cache."""
+    log.warning("DeepseekV41ForCausalLM: use_cache=True with a padded attention_mask: rows of different lengths "
+                "cannot share one decode cache, so every step reruns the full sequence (past_key_values is None)")
 
 
 def _adopt_reference_methods(cls: type) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -14,6 +15,9 @@ from dsv4flash.model.moe import MoE
 from dsv4flash.model.norm import RMSNorm
 from dsv4flash.model.state import CSA2State
 
+if TYPE_CHECKING:
+    from dsv4flash.model.cache import CacheStep
+
 
 @dataclass(frozen=True)
 class TokenContext:
@@ -21,6 +25,7 @@ class TokenContext:
 
     image_mask: torch.Tensor  # [B,S] bool, True on every position of an image span (delimiters included)
     engram_row_ids: tuple[torch.Tensor, ...] = ()  # one [B,S,n_orders·n_heads] int64 per Engram layer
+    cache: CacheStep | None = None  # incremental decode: earlier tokens' KV, and where this chunk's goes
 
 
 class Block(nn.Module):
@@ -58,7 +63,7 @@ class Block(nn.Module):
             x = self.engram(x, context.engram_row_ids[self.plan.engram_index], ~context.image_mask)
         residual = x
         attn_pre, attn_post, attn_comb = self.hc(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        y, state = self.attn(self.attn_norm(collapse(x, pre_mix)), state)  # [B,S,D]
+        y, state = self.attn(self.attn_norm(collapse(x, pre_mix)), state, context.cache)  # [B,S,D]
         x = expand(y, residual, attn_post, attn_comb)
         residual = x
         ffn_pre, ffn_post, ffn_comb = self.hc(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)

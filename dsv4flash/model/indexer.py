@@ -17,9 +17,9 @@ from dsv4flash.model.quant import fake_quant_index
 from dsv4flash.model.rope import apply_rope
 
 
-def visible_lengths(seq_len: int, ratio: int, device) -> torch.Tensor:
-    """Compressed positions visible to each query i: (i+1)//ratio (a group is visible once complete)."""
-    return torch.div(torch.arange(1, seq_len + 1, device=device), ratio, rounding_mode="floor")
+def visible_lengths(seq_len: int, ratio: int, device, start: int = 0) -> torch.Tensor:
+    """Compressed positions visible to each query i (at position start+i): (start+i+1)//ratio (complete groups)."""
+    return torch.div(torch.arange(start + 1, start + seq_len + 1, device=device), ratio, rounding_mode="floor")
 
 
 def topk_lowest_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,10 +91,11 @@ class Indexer(nn.Module):
         return fake_quant_index(apply_rope(self.k_norm(self.wk(latent)), rotation))
 
     def scores(self, qr: torch.Tensor, x: torch.Tensor, index_k: torch.Tensor, rotation: torch.Tensor,
-               ratio: int) -> torch.Tensor:
+               ratio: int, start: int = 0) -> torch.Tensor:
         """score(i, j) = Σ_h w_ih·ReLU(q_ih·k_j) in the activation dtype, −inf where j is not visible to i.
 
-        qr: [B,S,q_lora]; x: [B,S,D] (the attn_norm'd input); index_k: [B,T,ihd] -> [B,S,T].
+        qr: [B,S,q_lora]; x: [B,S,D] (the attn_norm'd input); index_k: [B,T,ihd] -> [B,S,T]; query i sits at
+        position start+i (start > 0 in incremental decode).
         """
         batch, seq, _ = qr.shape
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))  # [B,S,h,ihd]
@@ -102,10 +103,11 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x) * self.weight_scale  # [B,S,h]
         dots = torch.relu(torch.einsum("bshd,btd->bsht", q, index_k.to(q.dtype)))  # [B,S,h,T]
         scores = (dots * weights.unsqueeze(-1)).sum(dim=2)  # [B,S,T]
-        visible = torch.arange(index_k.shape[1], device=qr.device) < visible_lengths(seq, ratio, qr.device)[:, None]
+        reach = visible_lengths(seq, ratio, qr.device, start)[:, None]  # [S,1]
+        visible = torch.arange(index_k.shape[1], device=qr.device) < reach
         return scores.masked_fill(~visible, float("-inf"))
 
-    def candidate_pool(self, scores: torch.Tensor, ratio: int) -> torch.Tensor:
+    def candidate_pool(self, scores: torch.Tensor, ratio: int, start: int = 0) -> torch.Tensor:
         """Level-1 pool of the candidate source: top blocks by max score, newest block pinned. -> [B,S,T] bool."""
         batch, seq, total = scores.shape
         n_blocks = -(-total // self.block_size)
@@ -113,7 +115,7 @@ class Indexer(nn.Module):
                             dtype=scores.dtype, device=scores.device)
         padded[..., :total] = scores
         block_scores = padded.unflatten(-1, (n_blocks, self.block_size)).amax(-1)  # [B,S,nb]
-        lengths = visible_lengths(seq, ratio, scores.device)  # [S]
+        lengths = visible_lengths(seq, ratio, scores.device, start)  # [S]
         newest = (lengths - 1).clamp(min=0) // self.block_size
         pin = (torch.arange(n_blocks, device=scores.device) == newest[:, None]) & (lengths[:, None] > 0)
         block_scores = block_scores.masked_fill(pin, float("inf"))
@@ -123,10 +125,10 @@ class Indexer(nn.Module):
         chosen.scatter_(-1, indices, values > float("-inf"))
         return chosen.repeat_interleave(self.block_size, dim=-1)[..., :total]
 
-    def select(self, scores: torch.Tensor, ratio: int) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, ratio: int, start: int = 0) -> torch.Tensor:
         """Top-k compressed positions per query, re-sorted by position; unreachable picks become −1. -> [B,S,k]."""
         batch, seq, total = scores.shape
-        k = min(self.topk, seq // ratio)  # the chunk end (prefill from 0), shared by every query
+        k = min(self.topk, (start + seq) // ratio)  # the chunk end, shared by every query of the chunk
         idx = topk_select(scores, k)[1].sort(dim=-1).values
-        reach = visible_lengths(seq, ratio, scores.device)[:, None]  # [S,1]
+        reach = visible_lengths(seq, ratio, scores.device, start)[:, None]  # [S,1]
         return torch.where(idx < reach, idx, torch.full_like(idx, -1))

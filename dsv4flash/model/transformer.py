@@ -64,8 +64,11 @@ class Transformer(nn.Module):
 
     # ---- pieces of the forward ------------------------------------------------------------------
     def embed_inputs(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None,
-                     images: Sequence | None = None):
-        """-> (streams [B,S,hc,D], pre_mix [B,S,hc], TokenContext). token_types: −1 text, ≥0 image span."""
+                     images: Sequence | None = None, history: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """-> (streams [B,S,hc,D], pre_mix [B,S,hc], TokenContext). token_types: −1 text, ≥0 image span.
+
+        history: (ids, types) [B,H] of the tokens just before these (incremental decode's Engram look-back).
+        """
         batch, seq = input_ids.shape
         if token_types is None:
             token_types = torch.full_like(input_ids, -1)
@@ -75,7 +78,14 @@ class Transformer(nn.Module):
             h = self._fill_images(h, token_types, images)
         elif bool(image_mask.any()):
             raise ValueError("token_types mark image-span positions but no images were given")
-        row_ids = tuple(self.engram_hasher(input_ids, token_types)) if self.engram_hasher is not None else ()
+        row_ids = ()
+        if self.engram_hasher is not None:
+            if history is None:
+                row_ids = tuple(self.engram_hasher(input_ids, token_types))
+            else:
+                looked = self.engram_hasher(torch.cat([history[0], input_ids], 1),
+                                            torch.cat([history[1], token_types], 1))
+                row_ids = tuple(r[:, history[0].shape[1]:] for r in looked)
         hc = self.cfg.text.hc_mult
         streams = h.unsqueeze(2).expand(batch, seq, hc, h.shape[-1]).contiguous()  # [B,S,hc,D]
         pre_mix = torch.zeros(batch, seq, hc, dtype=torch.float32, device=h.device)
@@ -100,6 +110,19 @@ class Transformer(nn.Module):
         streams, pre_mix, context = self.embed_inputs(input_ids, token_types, images)
         streams, pre_mix, _ = self.run_layers(streams, pre_mix, CSA2State(), context)
         return self.logits(streams, pre_mix)
+
+    def prefill(self, input_ids: torch.Tensor, token_types: torch.Tensor | None = None,
+                images: Sequence | None = None):
+        """Prompt [B,S] -> (logits [B,S,vocab] fp32, DecodeCache); see dsv4flash/model/decode.py."""
+        from dsv4flash.model.decode import prefill
+
+        return prefill(self, input_ids, token_types, images)
+
+    def decode(self, cache, next_ids: torch.Tensor, token_types: torch.Tensor | None = None):
+        """(DecodeCache, next_ids [B] or [B,n]) -> (logits [B,vocab] or [B,n,vocab], the extended cache)."""
+        from dsv4flash.model.decode import decode
+
+        return decode(self, cache, next_ids, token_types)
 
     def _fill_images(self, h: torch.Tensor, token_types: torch.Tensor, images: Sequence) -> torch.Tensor:
         if self.vision is None:

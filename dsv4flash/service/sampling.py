@@ -38,7 +38,13 @@ def process_logits(last: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 class SamplingClient:
-    """Samples from a fixed adapter snapshot; calls return futures and run in submission order."""
+    """Samples from a fixed adapter snapshot; calls return futures and run in submission order.
+
+    `sample` prefills the prompt once and decodes every further token with the model's CSA2 cache
+    (`use_cache = False` recomputes the whole sequence per token instead: the same tokens and log-probs).
+    """
+
+    use_cache = True
 
     def __init__(self, service, placement, adapter: dict[str, torch.Tensor] | None, name: str) -> None:
         self.service, self.placement, self.adapter, self.name = service, placement, adapter, name
@@ -94,7 +100,8 @@ class SamplingClient:
 
     def _sample(self, ids: list[int], n: int, params: SamplingParams, seed: int, prompt_lp: bool,
                 prefill=None) -> SampleResponse:
-        """prefill: a future of this client's first-step logits [n, V] computed elsewhere (shared encoder)."""
+        """prefill: a future of this client's prompt prefill computed elsewhere (shared encoder): the last
+        position's logits [1, V] and the prompt's DecodeCache."""
         check_sample_request(ids, n, params, self.service.base.cfg.text.vocab_size)
         stop = self.service.stop_ids(params.stop)
         max_tokens = params.max_tokens if params.max_tokens is not None else 16
@@ -105,11 +112,16 @@ class SamplingClient:
         live = list(range(n))
         first = prefill.result() if prefill is not None else None  # before taking the base: the prefill needs it
         with self._model() as model, torch.no_grad():
+            cache = None
             for step in range(max_tokens):
                 if not live:
                     break
-                if step == 0 and first is not None:
-                    last = first  # [n,V]: same rows, same ops as model(rows)[:, -1] below
+                if step == 0 and (first is not None or self.use_cache):
+                    last, cache = first if first is not None else _prompt_prefill(model, ids)  # [1,V]
+                    last = last.expand(n, -1)  # every sample starts from the prompt
+                    cache = cache.select([0] * n) if self.use_cache else None
+                elif cache is not None:
+                    last, cache = model.decode(cache, torch.tensor([tokens[r][-1] for r in live]))  # [R,V]
                 else:
                     rows = torch.stack([torch.tensor(ids + tokens[r]) for r in live])  # [R, L+t]
                     last = model(rows)[:, -1]
@@ -118,7 +130,7 @@ class SamplingClient:
                     tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
                 else:
                     tok = logp.argmax(-1)
-                still = []
+                still, kept = [], []
                 for j, r in enumerate(live):
                     t = int(tok[j])
                     tokens[r].append(t)
@@ -127,9 +139,18 @@ class SamplingClient:
                         reasons[r] = "stop"
                     else:
                         still.append(r)
+                        kept.append(j)
+                if cache is not None and still and len(still) < len(live):
+                    cache = cache.select(kept)  # stopped rows leave the batch
                 live = still
         seqs_out = [SampledSequence(reasons[r], tokens[r], logps[r]) for r in range(n)]
         return SampleResponse(seqs_out, self._prompt_logprobs(ids) if prompt_lp else None)
+
+
+def _prompt_prefill(model, ids: list[int]):
+    """The prompt's last-position logits [1, V] and its DecodeCache."""
+    logits, cache = model.prefill(torch.tensor([ids]))
+    return logits[:, -1], cache
 
 
 class _plain:

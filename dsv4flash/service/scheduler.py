@@ -64,6 +64,11 @@ class PhaseScheduler:
         self._order = itertools.count()
         self._busy = False
         self.grants: list[tuple[str, str]] = []  # (policy, phase) in grant order
+        self._released_at: float | None = None
+        # Seconds the base sat idle before each grant, by the granted phase: before an update it waited for a
+        # policy's scoring that no other compute covered; before a rollout, for a policy between its phases.
+        self.idle_s = dict.fromkeys(self.PRIORITY, 0.0)
+        self.busy_s = dict.fromkeys(self.PRIORITY, 0.0)
 
     @contextlib.contextmanager
     def turn(self, policy: str, phase: str):
@@ -76,11 +81,16 @@ class PhaseScheduler:
             heapq.heappop(self._waiting)
             self._busy = True
             self.grants.append((policy, phase))
+            granted = time.perf_counter()
+            if self._released_at is not None:
+                self.idle_s[phase] += granted - self._released_at
         try:
             yield
         finally:
             with self._cond:
                 self._busy = False
+                self._released_at = time.perf_counter()
+                self.busy_s[phase] += self._released_at - granted
                 self._cond.notify_all()
 
 

@@ -7,10 +7,15 @@ the source compressor's latent once, and run only `run_layers(decoder_start, end
 Every op sees the same shapes and values as the separate full forward, so the logits are bit-equal. An
 adapter that is not decoder-only, or whose KV write trains, is refused for sharing (with the reason) and run
 separately.
+
+With `caches=True` each adapter also gets its prompt's `DecodeCache` for incremental decode: the encoder
+half's window KV and every kv-source segment (the encoder's and the CED source's) are one set of tensors
+referenced by every shared adapter's cache; each adapter owns only its decoder layers' window KV.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4flash.lora.layers import is_lora_module
+from dsv4flash.model.cache import CacheStep, DecodeCache
+from dsv4flash.model.decode import empty_cache
 from dsv4flash.model.state import CSA2State
 from dsv4flash.service.batched_decoder import batched_decoder_logits, instance_override
 from dsv4flash.service.resident import placement_key
@@ -48,6 +55,7 @@ class MultiAdapterResult:
     shared: list[int] = field(default_factory=list)
     batched: list[int] = field(default_factory=list)  # exact=False: adapters whose decoder halves ran batched
     compressor_reuses: int = 0  # adapters that took the source compressor's latent from the shared pass
+    caches: list[DecodeCache | None] = field(default_factory=list)  # caches=True: each adapter's prompt cache
 
 
 def _same_args(args: tuple, seen: tuple) -> bool:
@@ -107,16 +115,30 @@ def _shared_prefix(model, memo: dict, stats: Counter):
         yield
 
 
+def _share_source_segments(caches: list[DecodeCache], layer: int) -> list[DecodeCache]:
+    """Caches whose `layer` segment is bit-equal to the first's reference the first's tensors instead."""
+    first = caches[0].sources[layer]
+    out = [caches[0]]
+    for cache in caches[1:]:
+        seg = cache.sources[layer]
+        if all(torch.equal(a, b) for a, b in zip(seg.tensors(), first.tensors())):
+            cache = dataclasses.replace(cache, sources={**cache.sources, layer: first})
+        out.append(cache)
+    return out
+
+
 @torch.no_grad()
 def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple], share: bool = True,
-                         exact: bool = True) -> MultiAdapterResult:
+                         exact: bool = True, caches: bool = False) -> MultiAdapterResult:
     """input_ids [B,S]; adapters: [(placement, tensors)] -> logits per adapter (shared encoder where allowed).
 
     `exact` (default): one decoder pass per shared adapter, logits bit-equal to separate runs. `exact=False`:
     shared adapters of one placement run their decoder halves as one batched pass (`batched_decoder.py`),
-    equal to fp32 rounding only.
+    equal to fp32 rounding only. `caches`: also return each adapter's prompt DecodeCache (exact only).
     """
-    result = MultiAdapterResult([None] * len(adapters))
+    if caches and not exact:
+        raise ValueError("multi_adapter_logits: caches=True needs exact=True (the batched decoder keeps no cache)")
+    result = MultiAdapterResult([None] * len(adapters), caches=[None] * len(adapters))
     start = resident.cfg.decoder_start
     with resident.lock:
         if share:
@@ -129,9 +151,13 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
         enc = None
         memo: dict = {}
         stats: Counter = Counter()  # reuses per shared op
+        enc_step = None
         if result.shared:
             base = resident.model
             streams, pre_mix, ctx = base.embed_inputs(input_ids)  # [B,S,hc,D]
+            if caches:
+                enc_step = CacheStep(empty_cache(base, input_ids.shape[0], input_ids.device))
+                ctx = dataclasses.replace(ctx, cache=enc_step)  # records the encoder half's KV once
             enc = base.run_layers(streams, pre_mix, CSA2State(), ctx, 0, start) + (ctx,)
         groups: dict[str, list[int]] = {}
         if not exact:
@@ -153,10 +179,20 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
             with resident.bind(pc, tensors) as model:
                 if i in result.shared:
                     streams, pre_mix, state, ctx = enc
+                    step = enc_step.fork() if enc_step is not None else None  # the encoder's records, shared
                     with _shared_prefix(model, memo, stats):
-                        streams, pre_mix, _ = model.run_layers(streams, pre_mix, state, ctx, start, None)
+                        streams, pre_mix, _ = model.run_layers(streams, pre_mix, state,
+                                                               dataclasses.replace(ctx, cache=step), start, None)
                     result.logits[i] = model.logits(streams, pre_mix)  # [B,S,V]
+                    if step is not None:
+                        result.caches[i] = step.finish(input_ids, torch.full_like(input_ids, -1))
+                elif caches:
+                    result.logits[i], result.caches[i] = model.prefill(input_ids)
                 else:
                     result.logits[i] = model(input_ids)
+    if caches and len(result.shared) > 1 and start in resident.model.cfg.text.kv_source_layer_ids:
+        shared = _share_source_segments([result.caches[i] for i in result.shared], start)
+        for i, cache in zip(result.shared, shared):
+            result.caches[i] = cache
     result.compressor_reuses = stats["compressor"]
     return result

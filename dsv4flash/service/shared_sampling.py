@@ -1,10 +1,11 @@
 """Multi-adapter sampling with a shared encoder: one prompt, N sampling clients, the prefill shared.
 
 `sample_shared(clients, prompt, n, params)` gives each client exactly what `client.sample(prompt, n, params)`
-gives (same seed sequence, same tokens, same log-probs: tested), but the first step's prefill of the `n`
-prompt rows runs the encoder half and the source compressed KV once for every decoder-only, KV-write-frozen
-adapter (`shared_encoder.multi_adapter_logits`) and only the decoder half per adapter. Later decode steps run
-per client: the reference model has no KV cache, and each adapter's continuation differs from the others'.
+gives (same seed sequence, same tokens, same log-probs: tested), but the prompt prefill runs the encoder half
+and the source compressed KV once for every decoder-only, KV-write-frozen adapter
+(`shared_encoder.multi_adapter_logits(..., caches=True)`) and only the decoder half per adapter. Each client
+then decodes its own continuations from a prompt cache whose encoder window KV and compressed-KV segments
+are the same tensors for every sharing adapter (each adapter owns only its decoder layers' window KV).
 Clients that cannot share (not decoder-only, KV write trained, or the bare base) take their own prefill; the
 reasons are reported.
 """
@@ -64,7 +65,7 @@ def sample_shared(clients: list, prompt: ModelInput, num_samples: int, sampling_
             out.refused[i] = reason
     prefill = None
     if out.shared:
-        rows = torch.tensor([ids] * int(num_samples))  # [n, P]: the rows `sample` feeds its first step
+        rows = torch.tensor([ids])  # [1, P]: the prompt `sample` prefills before fanning out to its samples
         adapters = [(clients[i].placement, clients[i].adapter) for i in out.shared]
         prefill = _prefill_executor().submit(_prefill, service.base, rows, adapters)
     for i, c in enumerate(clients):
@@ -74,12 +75,12 @@ def sample_shared(clients: list, prompt: ModelInput, num_samples: int, sampling_
     return out
 
 
-def _prefill(base, rows: torch.Tensor, adapters: list[tuple]) -> list[torch.Tensor]:
-    """Last-position logits [n, V] per shared adapter (encoder once, decoder per adapter: bit-equal)."""
+def _prefill(base, rows: torch.Tensor, adapters: list[tuple]) -> list[tuple]:
+    """(last-position logits [1, V], prompt DecodeCache) per shared adapter (encoder once: bit-equal)."""
     from dsv4flash.service.shared_encoder import multi_adapter_logits
 
-    result = multi_adapter_logits(base, rows, adapters)
-    return [logits[:, -1] for logits in result.logits]
+    result = multi_adapter_logits(base, rows, adapters, caches=True)
+    return [(logits[:, -1], cache) for logits, cache in zip(result.logits, result.caches)]
 
 
 class _Pick:
@@ -88,6 +89,6 @@ class _Pick:
     def __init__(self, prefill: APIFuture, index: int) -> None:
         self.prefill, self.index = prefill, index
 
-    def result(self, timeout: float | None = None) -> torch.Tensor:
-        """That adapter's first-step logits."""
+    def result(self, timeout: float | None = None) -> tuple:
+        """That adapter's prompt prefill: (last-position logits [1, V], DecodeCache)."""
         return self.prefill.result(timeout)[self.index]

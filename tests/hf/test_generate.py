@@ -1,5 +1,6 @@
 """`generate()` of DeepseekV41ForCausalLM (real transformers GenerationMixin) against hand-rolled loops over the
-reference model: greedy and sampled, text and image prompts, left-padded batches; no pretend cache."""
+reference model: greedy and sampled, text and image prompts, left-padded batches; generate() decodes through
+the CSA2 cache (`past_key_values`), equal to recomputing every step."""
 
 from __future__ import annotations
 
@@ -78,14 +79,31 @@ def test_left_padded_batch_matches_each_prompt_alone(models):
     assert torch.equal(out[0, 2:], alone[0][0]) and torch.equal(out[1], alone[1][0])
 
 
-def test_no_pretend_cache(models):
+def test_generate_decodes_through_the_csa2_cache(models, monkeypatch):
+    from dsv4flash.model.cache import DecodeCache
+
     model, _ = models
-    ids = torch.tensor([[5, 6, 7]])
+    ids = torch.randint(3, 400, (2, 11), generator=torch.Generator().manual_seed(5))  # past the 8-token window
     out = model(ids, use_cache=True)
-    assert out.past_key_values is None and model.generation_config.use_cache is False
-    asked = model.generate(ids, max_new_tokens=3, do_sample=False, use_cache=True)  # accepted, nothing cached
-    assert torch.equal(asked, model.generate(ids, max_new_tokens=3, do_sample=False))
-    with pytest.raises(ValueError, match="no KV cache yet"):
+    cache = out.past_key_values
+    assert isinstance(cache, DecodeCache) and cache.length == 11 and model.generation_config.use_cache is True
+    step = model(torch.tensor([[7], [8]]), past_key_values=cache, use_cache=True)
+    full = model(torch.cat([ids, torch.tensor([[7], [8]])], 1))
+    assert step.logits.shape == (2, 1, CFG.text.vocab_size) and step.past_key_values.length == 12
+    assert (step.logits[:, 0] - full.logits[:, -1]).abs().max() < 1e-5
+    calls = []
+    decode = type(model).decode
+    monkeypatch.setattr(type(model), "decode", lambda self, c, n, t=None: calls.append(n.shape) or decode(self, c, n, t))
+    cached = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert calls == [(2, 1)] * 5  # one prefill, then one single-token cached step per new token
+    monkeypatch.undo()
+    assert torch.equal(cached, model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False))
+    beams = model.generate(ids[:1], max_new_tokens=4, do_sample=False, num_beams=3)
+    assert torch.equal(beams, model.generate(ids[:1], max_new_tokens=4, do_sample=False, num_beams=3,
+                                             use_cache=False))
+    with pytest.raises(ValueError, match="must be the DecodeCache"):
         model(ids, past_key_values=object())
+    with pytest.raises(ValueError, match="padded attention_mask"):
+        model(ids[:, :1], past_key_values=cache, attention_mask=torch.tensor([[0], [1]]))
     with pytest.raises(ValueError, match="holes"):
         model(torch.tensor([[5, 6, 7, 8]]), attention_mask=torch.tensor([[1, 0, 1, 1]]))

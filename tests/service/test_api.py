@@ -230,3 +230,24 @@ def test_sampling_params_and_stop_reasons(service):
     assert stopped.sequences[0].tokens == [first] and stopped.sequences[0].stop_reason == "stop"
     again = sc.sample(prompt, 2, types.SamplingParams(max_tokens=3, seed=7)).result()
     assert again == sc.sample(prompt, 2, types.SamplingParams(max_tokens=3, seed=7)).result()
+
+
+def test_cached_sample_equals_full_recompute(service):
+    # `sample` prefills once and decodes with the CSA2 cache; use_cache=False recomputes every step.
+    tc = service.create_lora_training_client(rank=2, preset="full_linear", seed=3)
+    tc.forward_backward([_datum([0, 5, 6, 7, 8, 9])], "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=5e-2))
+    for sc in (tc.save_weights_and_get_sampling_client(), service.create_sampling_client()):
+        prompt = types.ModelInput.from_ints([0, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20])  # past the window
+        probe = sc.sample(prompt, 4, types.SamplingParams(max_tokens=12, temperature=1.0, seed=5)).result()
+        params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=5, stop=[probe.sequences[0].tokens[3]])
+        cached = sc.sample(prompt, 4, params).result()
+        assert {s.stop_reason for s in cached.sequences} == {"stop", "length"}  # rows leave the batch early
+        sc.use_cache = False
+        full = sc.sample(prompt, 4, params).result()
+        assert [s.tokens for s in cached.sequences] == [s.tokens for s in full.sequences]
+        assert [s.stop_reason for s in cached.sequences] == [s.stop_reason for s in full.sequences]
+        for a, b in zip(cached.sequences, full.sequences):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert len({tuple(s.tokens) for s in cached.sequences}) > 1
+        sc.use_cache = True

@@ -65,3 +65,18 @@ def test_phase_scheduler_runs_one_phase_at_a_time_rollouts_first():
         t.join()
     assert sched.grants == [("a", "update"), ("c", "rollout"), ("e", "rollout"), ("b", "update"), ("d", "update")]
     assert overlaps == []
+
+
+def test_phase_scheduler_accounts_idle_time_by_the_phase_it_waited_for():
+    from dsv4flash.service.scheduler import PhaseScheduler
+
+    sched = PhaseScheduler()
+    with sched.turn("a", "rollout"):
+        time.sleep(0.02)
+    time.sleep(0.05)  # "a" scores; nobody else wants the base
+    with sched.turn("a", "update"):
+        time.sleep(0.01)
+    with sched.turn("b", "rollout"):
+        pass
+    assert 0.05 <= sched.idle_s["update"] < 0.05 + 0.04 and sched.idle_s["rollout"] < 0.04
+    assert sched.busy_s["rollout"] >= 0.02 and sched.busy_s["update"] >= 0.01

@@ -119,3 +119,34 @@ def test_shared_prefill_sampling_equals_each_clients_own_sample(resident, tmp_pa
     assert len({tuple(r.sequences[0].logprobs) for r in alone}) == len(clients)  # the adapters really differ
     with pytest.raises(ValueError, match="empty prompt"):
         tinker.sample_shared(clients, types.ModelInput.from_ints([]), 1, params)
+
+
+def test_shared_prefill_caches_share_encoder_kv_and_decode_bit_equal(resident):
+    from dsv4flash.model.cache import storage_bytes
+
+    dec = LoraConfig(preset="decoder_half", rank=2)
+    full = LoraConfig(preset="full_linear", rank=2)
+    adapters = [(dec, _adapter(resident, dec, s)) for s in (1, 2, 3)] + [(full, _adapter(resident, full, 4))]
+    ids = torch.randint(3, 400, (1, 21), generator=torch.Generator().manual_seed(1))
+    shared = multi_adapter_logits(resident, ids, adapters, caches=True)
+    separate = multi_adapter_logits(resident, ids, adapters, share=False, caches=True)
+    assert shared.shared == [0, 1, 2]
+    start = resident.cfg.decoder_start
+    c0, c1, c2 = shared.caches[:3]
+    for layer in range(len(c0.window)):  # the encoder half's window KV is one tensor; decoder layers' are each own
+        assert (c0.window[layer] is c1.window[layer] is c2.window[layer]) == (layer < start)
+    for layer in c0.sources:  # every kv-source segment (encoder sources and the CED source) is shared
+        assert c0.sources[layer] is c1.sources[layer] is c2.sources[layer]
+    own = sum(c1.window[l].nbytes for l in range(start, len(c1.window))) + c1.ngram_ids.nbytes + c1.ngram_types.nbytes
+    assert storage_bytes(c0, c1, c2) - storage_bytes(c0, c1) == own < storage_bytes(separate.caches[2])
+    tokens = torch.tensor([[7], [8], [9], [10]])
+    for i, (pc, tensors) in enumerate(adapters):
+        assert torch.equal(shared.logits[i], separate.logits[i])
+        a, b = shared.caches[i], separate.caches[i]
+        with resident.bind(pc, tensors) as model, torch.no_grad():
+            for t in tokens:
+                la, a = model.decode(a, t)
+                lb, b = model.decode(b, t)
+                assert torch.equal(la, lb)
+    with pytest.raises(ValueError, match="caches=True needs exact=True"):
+        multi_adapter_logits(resident, ids, adapters, caches=True, exact=False)

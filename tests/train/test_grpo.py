@@ -102,3 +102,22 @@ def test_grpo_rollout_rows_score_only_generated_tokens():
     assert bool((rollout_logp[~batch.target_mask] == 0).all())
     sevens = (batch.input_ids[batch.target_mask] == SEVEN).float()
     assert torch.equal(rewards, sevens)
+
+
+def test_grpo_rollouts_on_the_cached_decoder_equal_full_recompute(one_thread):
+    # The reference model decodes with its CSA2 cache; a plain callable around it recomputes every step.
+    from dsv4flash.model.transformer import Transformer
+    from dsv4flash.tasks import build_task
+
+    model = Transformer(CFG, seed=0).eval()
+    mix = TaskMixture({"arithmetic": build_task("arithmetic")}, {"arithmetic": 1.0}, seed=0, val_size=0)
+    outs = []
+    for infer in (model, lambda ids, types, images: model(ids, types, images)):
+        ctx = StepContext(model=model, train_forward=model, infer_forward=infer, encoder=Encoder(TOK, CFG),
+                          mixture=mix, optimizer=None, params=[], clip_grad=0.0, batch_size=8, max_new_tokens=5,
+                          seed=0)
+        outs.append(GRPO(ctx, GRPOAlgo(group_size=4, rollout_dtype="float32", temperature=1.0)).rollout(0))
+    (b1, lp1, r1, _), (b2, lp2, r2, _) = outs
+    assert torch.equal(b1.input_ids, b2.input_ids) and torch.equal(r1, r2)
+    assert torch.allclose(lp1, lp2, atol=1e-5)
+    assert int(b1.target_mask.sum()) > 8  # several tokens per response were decoded

@@ -1,6 +1,7 @@
 """Sampling with the reference model: sampled log-probs equal the teacher-forced ones; shared prefixes are
 computed once without changing the result."""
 
+import pytest
 import torch
 
 from dsv4flash.config import load_config
@@ -23,12 +24,12 @@ class Counting:
         return self.model(ids, types, images)
 
 
-def _setup():
+def _setup(n_prompts=3):
     model = Transformer(CFG, seed=0).eval()
     enc = Encoder(TaskTokenizer(CFG), CFG)
     mix = TaskMixture({"geometry": build_task("geometry"), "arithmetic": build_task("arithmetic")},
                       {"geometry": 1.0, "arithmetic": 1.0}, seed=0, val_size=0)
-    prompts = [enc.prompt(ex) for _, ex in mix.train_batch(0, 3)]
+    prompts = [enc.prompt(ex) for _, ex in mix.train_batch(0, n_prompts)]
     return model, enc, prompts
 
 
@@ -100,3 +101,32 @@ def test_rows_stop_at_eos():
                    temperature=0.0)
     assert all(out.response(i) == [enc.tok.eos_id] for i in range(len(prompts)))
     assert out.mask.sum().item() == len(prompts)
+
+
+def _recompute(model):
+    """The model as a plain (ids, types, images) -> logits callable: generate recomputes every step."""
+    return lambda ids, types, images: model(ids, types, images)
+
+
+def test_cached_decode_samples_what_full_recompute_samples(one_thread):
+    model, enc, prompts = _setup(6)
+    assert any(p[2] for p in prompts) and len({p[0].numel() for p in prompts}) > 1  # images, ragged prompts
+    rows = [p for p in prompts for _ in range(4)]
+    for temperature in (0.9, 0.0):
+        runs = [generate(fwd, rows, max_new_tokens=6, eos_id=enc.tok.eos_id, pad_id=enc.tok.pad_id,
+                         temperature=temperature, generator=torch.Generator().manual_seed(7))
+                for fwd in (model, _recompute(model))]
+        cached, full = runs
+        assert torch.equal(cached.tokens, full.tokens) and torch.equal(cached.mask, full.mask)
+        assert torch.allclose(cached.logprobs, full.logprobs, atol=1e-5)
+    assert len({tuple(cached.response(i)) for i in range(len(rows))}) > 1
+
+
+def test_use_cache_false_forces_recompute_and_true_needs_a_model():
+    model, enc, prompts = _setup()
+    counter = Counting(model)
+    generate(counter, prompts[:1], max_new_tokens=2, eos_id=enc.tok.eos_id, pad_id=enc.tok.pad_id, temperature=0.0,
+             use_cache=False)
+    assert len(counter.rows) == 2
+    with pytest.raises(ValueError, match="no prefill/decode"):
+        generate(counter, prompts[:1], max_new_tokens=2, eos_id=enc.tok.eos_id, pad_id=enc.tok.pad_id, use_cache=True)
