@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import signal
-from contextlib import contextmanager
+from unittest.mock import patch
 from pathlib import Path
 
 from dsv4flash.faultcases import DataLost, SilentWrong, case
@@ -79,16 +79,6 @@ def _poke(directory: Path, tensor: str, value: int) -> None:
         fh.write(bytes([value]))
 
 
-@contextmanager
-def _patched(obj, name: str, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
-
-
 def _crash_after_first_shard():
     """Patch the importer so the second shard raises KeyboardInterrupt (a kill, as far as DST.partial knows)."""
     from dsv4flash_bridge import importer
@@ -100,7 +90,7 @@ def _crash_after_first_shard():
         if len(calls) == 2:
             raise KeyboardInterrupt("simulated kill")
         return real(*args, **kwargs)
-    return _patched(importer, "_import_shard", crash)
+    return patch.object(importer, "_import_shard", crash)
 
 
 def _interrupted_resume(ctx, src: Path, dst: Path) -> None:
@@ -179,7 +169,7 @@ def export_resume_other_import(ctx):
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("simulated kill")
-    with _patched(exporter, "_export_quantized", crash):
+    with patch.object(exporter, "_export_quantized", crash):
         try:
             _export(one, ctx.tmp / "out", resume=True)
         except KeyboardInterrupt:
@@ -550,7 +540,7 @@ def _enospc_after(calls: int):
         if count[0] > calls:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self._tmp))
         return real(self, name, rows)
-    return _patched(SafetensorsWriter, "write_rows", write_rows)
+    return patch.object(SafetensorsWriter, "write_rows", write_rows)
 
 
 @case("bridge", "import: disk full (ENOSPC) mid-shard: one line, exit 2, nothing written",
@@ -608,7 +598,7 @@ def _kill_at_rename(suffix_of_target: str):
         if str(target).endswith(suffix_of_target):
             os.kill(os.getpid(), signal.SIGKILL)
         return result
-    return _patched(Path, "rename", rename)
+    return patch.object(Path, "rename", rename)
 
 
 def _killed_overwrite(ctx, suffix: str) -> Path:

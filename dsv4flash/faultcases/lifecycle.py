@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
-from contextlib import contextmanager
+from unittest.mock import patch
 
 from dsv4flash.faultcases import DataLost, LeftBehind, SilentWrong, case
 from dsv4flash.lifecycle.faults import POINTS
@@ -67,16 +67,6 @@ def _consistent(store, acknowledged) -> None:
             raise
         except Exception as exc:  # noqa: BLE001
             raise DataLost(f"acknowledged revision {rev.id[:12]} no longer loads: {exc}") from None
-
-
-@contextmanager
-def _patched(obj, name: str, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
 
 
 # ------------------------------------------------------------------------------------------ CLI and catalog errors
@@ -213,7 +203,7 @@ def enospc_publish(ctx):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(self, data)
     big = _adapter(5, hidden=64, moe_inter=48)
-    with _patched(BlobWriter, "write", full):
+    with patch.object(BlobWriter, "write", full):
         failure = ctx.must_fail(lambda: store.publish("pol", big, step=2))
     if store.policy("pol").head != revs[0].id:
         raise SilentWrong("the head moved to a revision whose bytes were never written")

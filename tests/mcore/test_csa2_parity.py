@@ -104,9 +104,9 @@ def test_both_tie_rules_agree_with_the_reference_up_to_ties(mcore):
     ids = sup.token_ids(1, 64, seed=7)
     calls, real_select = [], Indexer.select
 
-    def recording(self, scores, ratio):
-        out = real_select(self, scores, ratio)
-        calls.append((rule, self, scores, ratio, out))
+    def recording(self, scores, ratio, start=0):
+        out = real_select(self, scores, ratio, start)
+        calls.append((rule, self, scores, ratio, start, out))
         return out
     Indexer.select = recording
     try:
@@ -117,9 +117,9 @@ def test_both_tie_rules_agree_with_the_reference_up_to_ties(mcore):
         Indexer.select = real_select
     assert {c[0] for c in calls} == set(TIE_RULES)
     differing = 0
-    for rule, indexer, scores, ratio, got in calls:  # picks feed later layers, so compare on each call's scores
+    for rule, indexer, scores, ratio, start, got in calls:  # picks feed later layers: compare on each call's scores
         with tie_rule(next(r for r in TIE_RULES if r != rule)):
-            alternative = real_select(indexer, scores, ratio)
+            alternative = real_select(indexer, scores, ratio, start)
         assert same_selection_up_to_ties(scores, got, alternative)
         differing += not torch.equal(got, alternative)
     assert differing > 0  # exact ties occur in the tiny model, so the rule is a real choice
