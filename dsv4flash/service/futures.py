@@ -31,6 +31,11 @@ class APIFuture(Generic[T]):
         """Whether the call has finished."""
         return self._future.done()
 
+    @property
+    def future(self) -> Future:
+        """The underlying `concurrent.futures.Future` (what a server polls or awaits)."""
+        return self._future
+
     def __await__(self):
         return self.result_async().__await__()
 

@@ -1,0 +1,1 @@
+"""Service plane of `dsv4flash serve`: API keys, tenants and run ownership, operation ids with bounded per-tenant queues, and the PolicyServer that admits requests to the service core."""

@@ -1,0 +1,25 @@
+"""The ASGI application of `dsv4flash serve` (Starlette): the Tinker routes over one `PolicyServer`."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+
+from dsv4flash.service.plane.keys import KeyRing
+from dsv4flash.service.plane.policy_server import PolicyServer
+
+
+def build_app(plane: PolicyServer, keys: KeyRing, *, max_body: int = 64 << 20, poll_s: float = 5.0) -> Starlette:
+    """Starlette app serving `plane` to the holders of `keys` (bodies ≤ `max_body` bytes; long polls ≤ `poll_s`)."""
+    from dsv4flash.service.protocol import rest_routes, routes
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        plane.close()
+
+    app = Starlette(routes=routes.ROUTES + rest_routes.ROUTES, lifespan=lifespan)
+    app.state.plane, app.state.keys = plane, keys
+    app.state.max_body, app.state.poll_s = int(max_body), float(poll_s)
+    return app
