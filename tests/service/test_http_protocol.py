@@ -154,7 +154,7 @@ def test_custom_loss_matches_cross_entropy(sdk):
 
     def nll(batch, logprobs):
         loss = sum(-(lp * torch.tensor(d.loss_fn_inputs["weights"].to_numpy())).sum() for d, lp in zip(batch, logprobs))
-        return loss, {"custom": float(loss)}
+        return loss, {"custom": float(loss.detach())}
 
     out = a.forward_backward_custom(data, nll).result()
     assert "custom" in out.metrics

@@ -94,6 +94,10 @@ class OperationTable:
         return self.get(request_id, tenant).future.cancel()
 
     def _finish(self, op: Operation) -> None:
+        from dsv4flash.lifecycle.faults import crashpoint
+
+        # Test hook: die with the work done but not yet acknowledged (DSV4FLASH_CRASH_AT=serve.<kind>.done).
+        crashpoint(f"serve.{op.kind}.done")
         with self._lock:
             op.finished = time.time()
             self._pending[op.tenant] = max(0, self._pending.get(op.tenant, 0) - 1)
