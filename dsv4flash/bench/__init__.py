@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, str] = {
     "engram": "host-pinned Engram row gather (dedup, id copy, gather, expand) vs same-size memcpy, MET/MISS at 50%",
     "train_step": "LoRA step time: decoder_half with early stop vs full_linear at the same rank, MET/MISS at 0.65",
     "recompute": "CSA2 stack on megatron-core: activation memory and step time, full recompute vs none, MET/MISS",
+    "service_http": "dsv4flash serve via the tinker SDK vs in-process: fwd+bwd+optim and sample p50/p99, 3 concurrent GRPO clients vs sequential",
     "service": "policy service: shared-encoder multi-adapter throughput (N=1..8) and concurrent vs sequential GRPO makespan/peak RSS",
 }
 

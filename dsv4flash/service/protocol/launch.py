@@ -15,7 +15,8 @@ import httpx
 class ServerProcess:
     """A running `dsv4flash serve` child: `url`, `proc`, and the log file it writes (next to the store)."""
 
-    def __init__(self, store: Path, keys: Path, *, env: dict | None = None, args: tuple = ()) -> None:
+    def __init__(self, store: Path, keys: Path, *, env: dict | None = None, args: tuple = (),
+                 poll_s: float = 1.0) -> None:
         self.store, self.keys = Path(store), Path(keys)
         self.port_file = self.store.parent / f"{self.store.name}.port"
         self.port_file.unlink(missing_ok=True)
@@ -24,7 +25,7 @@ class ServerProcess:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dsv4flash", "serve", "--host", "127.0.0.1", "--port", "0", "--store",
-             str(self.store), "--keys", str(self.keys), "--port-file", str(self.port_file), "--poll-s", "1", *args],
+             str(self.store), "--keys", str(self.keys), "--port-file", str(self.port_file), "--poll-s", str(poll_s), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env_all)
         deadline = time.time() + 120
         while not self.port_file.exists():
