@@ -88,6 +88,10 @@ class TrainingClient:
             self.save_weights_for_sampler(name).result()
         return self.snapshot_sampling_client().result()
 
+    def run_ordered(self, fn, *args) -> APIFuture:
+        """`fn(self, *args)` on this client's worker, in submission order with its other calls (extensions)."""
+        return self._exec.submit(fn, self, *args)
+
     def snapshot_sampling_client(self) -> APIFuture:
         """A future SamplingClient on the weights as they stand after every call queued before this one."""
         return self._exec.submit(self._snapshot_sampler)

@@ -180,3 +180,18 @@ def test_published_checkpoint_is_readable_across_tenants(world):
     # readable is not writable: unpublishing or deleting it stays alice's
     assert _as(world, "mallory", "DELETE", "training_runs/{}/checkpoints/sampler_weights/public".format(
         public.split("/")[2])).status_code == 404
+
+
+def test_key_to_jwt_exchange(world, tmp_path):
+    from dsv4flash.service.plane.keys import TokenSigner
+
+    jwt = _as(world, "mallory", "POST", "auth/token", json={}).json()["jwt"]
+    assert jwt.startswith("eyJ")
+    url = f"{world['server'].url}/api/v1/training_runs"
+    assert httpx.get(url, headers={"X-API-Key": jwt}).status_code == 200
+    forged = jwt[:-4] + ("AAAA" if not jwt.endswith("AAAA") else "BBBB")
+    assert httpx.get(url, headers={"X-API-Key": forged}).status_code == 401
+    signer = TokenSigner(tmp_path / "secret", ttl_s=60)
+    token = signer.issue("carol", now=1000.0)
+    assert signer.tenant(token, now=1059.0) == "carol" and signer.tenant(token, now=1061.0) is None
+    assert TokenSigner(tmp_path / "other").tenant(token, now=1000.0) is None  # another server's secret

@@ -107,3 +107,58 @@ def add_key(path: str | os.PathLike, tenant: str, prefix: str = "tml-") -> str:
     write_bytes_atomic(path, f"{old}{sep}{tenant} sha256:{key_hash(key)}\n".encode())
     os.chmod(path, 0o600)
     return key
+
+
+class TokenSigner:
+    """Short-lived HS256 JWTs for the SDK's key -> JWT exchange (`/api/v1/auth/token`): `sub` is the tenant.
+
+    The signing secret lives in `<store>/service/jwt_secret` (0600, made once), so tokens stay valid across a
+    restart; a removed key stops minting new tokens at once, its tokens expire within `ttl_s`.
+    """
+
+    def __init__(self, secret_path: str | os.PathLike, ttl_s: float = 3600.0) -> None:
+        path = Path(secret_path)
+        if not path.exists():
+            write_bytes_atomic(path, secrets.token_bytes(32))
+            os.chmod(path, 0o600)
+        self._secret = path.read_bytes()
+        self.ttl_s = float(ttl_s)
+
+    def issue(self, tenant: str, now: float | None = None) -> str:
+        """A signed token for `tenant`."""
+        import time
+
+        now = time.time() if now is None else now
+        head = _b64({"alg": "HS256", "typ": "JWT"})
+        body = _b64({"sub": tenant, "iat": int(now), "exp": int(now + self.ttl_s), "iss": "dsv4flash-serve"})
+        return f"{head}.{body}.{self._sign(f'{head}.{body}')}"
+
+    def tenant(self, token: str, now: float | None = None) -> str | None:
+        """The tenant of a valid, unexpired token; None otherwise."""
+        import base64
+        import json
+        import time
+
+        parts = token.split(".")
+        if len(parts) != 3 or not hmac.compare_digest(self._sign(f"{parts[0]}.{parts[1]}"), parts[2]):
+            return None
+        try:
+            claims = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+        except ValueError:
+            return None
+        if float(claims.get("exp", 0)) <= (time.time() if now is None else now):
+            return None
+        return claims.get("sub")
+
+    def _sign(self, data: str) -> str:
+        import base64
+
+        mac = hmac.new(self._secret, data.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+
+
+def _b64(obj: dict) -> str:
+    import base64
+    import json
+
+    return base64.urlsafe_b64encode(json.dumps(obj, separators=(",", ":")).encode()).rstrip(b"=").decode()

@@ -39,7 +39,10 @@ def tenant_of(request: Request) -> str:
     if not key:
         auth = request.headers.get("authorization", "")
         key = auth[7:] if auth.lower().startswith("bearer ") else None
-    tenant = request.app.state.keys.tenant(key)
+    if key and key.startswith("eyJ"):  # a JWT from /auth/token
+        tenant = request.app.state.tokens.tenant(key)
+    else:
+        tenant = request.app.state.keys.tenant(key)
     if tenant is None:
         raise HTTPError(401, "missing or unknown API key (send it as the X-API-Key header)")
     return tenant

@@ -43,10 +43,17 @@ async def healthz(request: Request) -> Response:
 
 async def client_config(request: Request) -> Response:
     tenant_of(request)
-    # API keys only (no JWT exchange); httpx transport; chunks in order; zstd-compressed protobuf bodies.
+    # Key -> JWT exchange (what lets MinT's sk- keys through its patched auth); httpx transport; chunks in
+    # order; zstd-compressed protobuf bodies.
     return model_json(_types().ClientConfigResponse(
-        pjwt_auth_enabled=False, use_pyqwest_transport=False, parallel_fwdbwd_chunks=False,
+        pjwt_auth_enabled=True, use_pyqwest_transport=False, parallel_fwdbwd_chunks=False,
         proto_compress_fwdbwd=True))
+
+
+async def auth_token(request: Request) -> Response:
+    tenant = tenant_of(request)
+    await read_body(request)
+    return model_json(_types().AuthTokenResponse(jwt=request.app.state.tokens.issue(tenant)))
 
 
 async def client_dynamic_config(request: Request) -> Response:
@@ -128,14 +135,35 @@ async def get_info(request: Request) -> Response:
                                tokenizer_id=plane.tokenizer_dir)))
 
 
-async def forward_backward(request: Request) -> Response:
-    tenant = tenant_of(request)
-    plane = _plane(request)
-    if "protobuf" not in request.headers.get("content-type", ""):
-        raise BadRequest("content-type: forward_backward takes the SDK's application/x-protobuf body")
+async def _fwd_body(request: Request, input_key: str):
+    """(model_id, forward_only, loss_fn, config, data) from the SDK 0.38 protobuf body or an older SDK's JSON."""
     body = wire.decompress(await read_body(request), request.headers.get("content-encoding"),
                            limit=request.app.state.max_body)
-    model_id, _seq, forward_only, loss_fn, config, data = wire.decode_forward_backward(body)
+    if "protobuf" in request.headers.get("content-type", ""):
+        model_id, _seq, forward_only, loss_fn, config, data = wire.decode_forward_backward(body)
+        return model_id, forward_only or input_key == "forward_input", loss_fn, config, data
+    import json
+
+    try:
+        parsed = json.loads(body or b"{}")
+    except ValueError as exc:
+        raise BadRequest(f"body: neither protobuf (Content-Type: application/x-protobuf) nor JSON ({exc})") from exc
+    model_id, _seq, loss_fn, config, data = wire.decode_forward_backward_json(parsed, input_key)
+    return model_id, input_key == "forward_input", loss_fn, config, data
+
+
+async def forward_backward(request: Request) -> Response:
+    return await _run_forward(request, "forward_backward_input")
+
+
+async def forward(request: Request) -> Response:
+    return await _run_forward(request, "forward_input")
+
+
+async def _run_forward(request: Request, input_key: str) -> Response:
+    tenant = tenant_of(request)
+    plane = _plane(request)
+    model_id, forward_only, loss_fn, config, data = await _fwd_body(request, input_key)
     tc = plane.model(tenant, model_id)
     call = tc.forward if forward_only else tc.forward_backward
     rid = plane.submit(tenant, "forward" if forward_only else "forward_backward",
@@ -316,6 +344,7 @@ ROUTES = [
     Route("/api/v1/healthz", guarded(healthz), methods=["GET"]),
     Route("/api/v1/client/config", guarded(client_config), methods=["POST"]),
     Route("/api/v1/client/dynamic_config", guarded(client_dynamic_config), methods=["POST"]),
+    Route("/api/v1/auth/token", guarded(auth_token), methods=["POST"]),
     Route("/api/v1/create_session", guarded(create_session), methods=["POST"]),
     Route("/api/v1/session_heartbeat", guarded(session_heartbeat), methods=["POST"]),
     Route("/api/v1/sessions/{session_id}/finish", guarded(finish_session), methods=["POST"]),
@@ -324,6 +353,7 @@ ROUTES = [
     Route("/api/v1/create_model", guarded(create_model), methods=["POST"]),
     Route("/api/v1/get_info", guarded(get_info), methods=["POST"]),
     Route("/api/v1/forward_backward", guarded(forward_backward), methods=["POST"]),
+    Route("/api/v1/forward", guarded(forward), methods=["POST"]),
     Route("/api/v1/optim_step", guarded(optim_step), methods=["POST"]),
     Route("/api/v1/save_weights", guarded(save_weights), methods=["POST"]),
     Route("/api/v1/save_weights_for_sampler", guarded(save_weights_for_sampler), methods=["POST"]),

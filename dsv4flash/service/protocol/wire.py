@@ -86,6 +86,63 @@ def decode_forward_backward(body: bytes) -> tuple[str, int, bool, str, dict, lis
     return msg.model_id, int(msg.seq_id), bool(msg.forward_only), msg.loss_fn, config, data
 
 
+def _json_tensor(value, where: str) -> core.TensorData:
+    if not isinstance(value, dict) or "data" not in value:
+        raise WireError(f"{where}: expected a TensorData object {{data, dtype, shape}}")
+    if value.get("sparse_crow_indices") is not None:
+        raise WireError(f"{where}: sparse CSR tensors are not supported by this server (send dense)")
+    dtype = value.get("dtype", "float32")
+    if dtype not in _NP:
+        raise WireError(f"{where}.dtype: {dtype!r} is not float32 or int64")
+    try:
+        arr = np.asarray(value["data"], dtype=_NP[dtype]).reshape(-1)
+    except (TypeError, ValueError) as exc:
+        raise WireError(f"{where}.data: not a list of numbers ({exc})") from exc
+    shape = list(value.get("shape") or [arr.size])
+    if int(np.prod(shape)) != arr.size:
+        raise WireError(f"{where}.shape: {shape} does not hold {arr.size} values")
+    return core.TensorData(arr.tolist(), dtype, shape)
+
+
+def json_tokens(model_input, where: str) -> list[int]:
+    """Token ids of a JSON ModelInput {chunks: [{type: encoded_text, tokens}]}."""
+    chunks = model_input.get("chunks") if isinstance(model_input, dict) else None
+    if not isinstance(chunks, list):
+        raise WireError(f"{where}.chunks: expected a list of chunks")
+    out: list[int] = []
+    for j, chunk in enumerate(chunks):
+        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+            raise WireError(f"{where}.chunks.{j}: only encoded_text chunks are supported on this engine")
+        if not isinstance(chunk.get("tokens"), list):
+            raise WireError(f"{where}.chunks.{j}.tokens: expected a list of token ids")
+        out.extend(int(t) for t in chunk["tokens"])
+    return out
+
+
+def decode_forward_backward_json(body: dict, input_key: str) -> tuple[str, int, str, dict, list[core.Datum]]:
+    """JSON body of older SDKs (`forward_backward_input` / `forward_input`) -> (model_id, seq_id, loss_fn,
+    loss_fn_config, core data)."""
+    if not isinstance(body, dict) or not isinstance(body.get("model_id"), str):
+        raise WireError("model_id: required (a string)")
+    fbi = body.get(input_key)
+    if not isinstance(fbi, dict) or not isinstance(fbi.get("data"), list):
+        raise WireError(f"{input_key}.data: required (a list of Datum)")
+    data = []
+    for i, d in enumerate(fbi["data"]):
+        where = f"{input_key}.data.{i}"
+        if not isinstance(d, dict):
+            raise WireError(f"{where}: expected a Datum object")
+        inputs = d.get("loss_fn_inputs") or {}
+        if not isinstance(inputs, dict):
+            raise WireError(f"{where}.loss_fn_inputs: expected an object of TensorData")
+        data.append(core.Datum(core.ModelInput.from_ints(json_tokens(d.get("model_input"), f"{where}.model_input")),
+                               {k: _json_tensor(v, f"{where}.loss_fn_inputs.{k}") for k, v in inputs.items()}))
+    config = fbi.get("loss_fn_config") or {}
+    if not isinstance(config, dict):
+        raise WireError(f"{input_key}.loss_fn_config: expected an object")
+    return body["model_id"], int(body.get("seq_id") or 0), str(fbi.get("loss_fn", "")), config, data
+
+
 def _batched(arrays: list[np.ndarray], dtype: str):
     pb = _pb()
     bt = pb.BatchedTensor()
