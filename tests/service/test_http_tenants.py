@@ -146,6 +146,15 @@ def test_every_id_taking_endpoint_refuses_another_tenant(world):
         "ttl": ("PUT", f"training_runs/{run}/checkpoints/{kind_name}/ttl", dict(json={"ttl_seconds": 3600})),
         "archive url": ("GET", f"training_runs/{run}/checkpoints/{kind_name}/external_weights_urls", {}),
         "weights_info": ("POST", "weights_info", dict(json={"tinker_path": priv})),
+        "MinT reverse KL on alice's model": ("POST", "mint/forward_backward_reverse_kl", dict(json={
+            "model_id": mid, "reference_model_path": world["public"], "data": []})),
+        "MinT reverse KL against alice's private checkpoint": ("POST", "mint/forward_backward_reverse_kl", dict(json={
+            "model_id": bob_model, "reference_model_path": priv, "data": []})),
+        "MinT interpolate alice's private checkpoint": ("POST", "mint/checkpoints/interpolate", dict(json={
+            "source_paths": [priv], "coefficients": [1.0]})),
+        "MinT interpolate into alice's run": ("POST", "mint/checkpoints/interpolate", dict(json={
+            "source_paths": [world["public"]], "coefficients": [1.0],
+            "output_path": f"tinker://{run}/sampler_weights/stolen"})),
     }
     for what, (method, path, kw) in probes.items():
         r = _as(world, "bob", method, path, **kw)
