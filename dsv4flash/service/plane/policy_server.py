@@ -48,12 +48,13 @@ class Session:
 
 @dataclass
 class Sampler:
-    """A sampling session: the core SamplingClient and what it samples."""
+    """A sampling session: the core SamplingClient, what it samples, and the session it belongs to."""
 
     sampler_id: str
     tenant: str
     client: Any
     model_path: str | None
+    session_id: str
     clones: int = 0
 
 
@@ -61,7 +62,7 @@ class PolicyServer:
     """Tenant-checked, queued access to one `ServiceClient` (resident base + adapter store)."""
 
     def __init__(self, service, *, tokenizer_dir: str | None = None, max_pending: int = 64,
-                 keep_s: float = 3600.0) -> None:
+                 keep_s: float = 3600.0, max_samplers: int = 32) -> None:
         self.service = service
         self.tokenizer_dir = tokenizer_dir
         self.owners = RunOwners(service.root)
@@ -69,7 +70,8 @@ class PolicyServer:
         self.rest = service.create_rest_client()
         self._sessions: dict[str, Session] = {}
         self._models: dict[str, Any] = {}  # run id -> core TrainingClient
-        self._samplers: dict[str, Sampler] = {}
+        self._samplers: dict[str, Sampler] = {}  # insertion order = age (oldest first)
+        self.max_samplers = int(max_samplers)
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dsv4flash-plane")
 
@@ -97,8 +99,13 @@ class PolicyServer:
         s.last_seen = time.time()
 
     def finish_session(self, tenant: str, session_id: str) -> None:
-        """End a session (its runs and checkpoints stay)."""
+        """End a session: its live models and samplers leave memory; runs and checkpoints stay in the store."""
         self.session(tenant, session_id).finished = True
+        with self._lock:
+            for run in [r for r in self._models if r.startswith(f"{session_id}-train-")]:
+                del self._models[run]
+            for sid in [k for k, v in self._samplers.items() if v.session_id == session_id]:
+                del self._samplers[sid]
 
     # ---- operations ----
     def submit(self, tenant: str, kind: str, start: Callable[[], Any], encode: Callable[[Any], Any]) -> str:
@@ -204,13 +211,20 @@ class PolicyServer:
             raise BadRequest(f"base_model: {base_model!r} is not served here (the resident base is "
                              f"{self.service.base.base_model!r})")
         client = self.service.create_sampling_client(model_path=model_path)
-        return self.add_sampler(tenant, client, model_path)
+        return self.add_sampler(tenant, session_id, client, model_path)
 
-    def add_sampler(self, tenant: str, client, model_path: str | None) -> str:
-        """Register a core SamplingClient as a sampling session of the tenant -> its id."""
+    def add_sampler(self, tenant: str, session_id: str, client, model_path: str | None) -> str:
+        """Register a core SamplingClient as a sampling session of the tenant -> its id.
+
+        Each holds an adapter copy, so a tenant keeps at most `max_samplers`: registering one more drops its
+        oldest (an RL loop makes one per step with `save_weights_and_get_sampling_client`; old ones answer 404).
+        """
         sid = f"sampler-{secrets.token_hex(6)}"
         with self._lock:
-            self._samplers[sid] = Sampler(sid, tenant, client, model_path)
+            mine = [k for k, v in self._samplers.items() if v.tenant == tenant]
+            for old in mine[:max(0, len(mine) - self.max_samplers + 1)]:
+                del self._samplers[old]
+            self._samplers[sid] = Sampler(sid, tenant, client, model_path, session_id)
         return sid
 
     def sampler(self, tenant: str, sampler_id: str) -> Sampler:

@@ -210,7 +210,8 @@ async def save_weights_for_sampler(request: Request) -> Response:
     # No name: an ephemeral snapshot of the weights after every queued call, served as a sampling session.
     rid = plane.submit(tenant, "save_weights_for_sampler", tc.snapshot_sampling_client,
                        _json_result(lambda sc: t.SaveWeightsForSamplerResponseInternal(
-                           sampling_session_id=plane.add_sampler(tenant, sc, None), type="save_weights_for_sampler")))
+                           sampling_session_id=plane.add_sampler(tenant, req.model_id.split(":")[0], sc, None),
+                           type="save_weights_for_sampler")))
     return _future(rid, model_id=req.model_id)
 
 
