@@ -81,7 +81,8 @@ def _latency(url: str, rep: BenchReport, calls: int, progress) -> dict:
     lsampler = ltc.save_weights_and_get_sampling_client()
     prompt, lprompt = types.ModelInput.from_ints([0, 10, 11, 12]), core.types.ModelInput.from_ints([0, 10, 11, 12])
     http_sample = lambda: sampler.sample(prompt, 4, types.SamplingParams(max_tokens=4, seed=1)).result()  # noqa: E731
-    local_sample = lambda: lsampler.sample(lprompt, 4, core.types.SamplingParams(max_tokens=4, seed=1)).result()  # noqa: E731
+    local_params = core.types.SamplingParams(max_tokens=4, seed=1)
+    local_sample = lambda: lsampler.sample(lprompt, 4, local_params).result()  # noqa: E731
     with httpx.Client() as h:
         rtt = _timed(lambda: h.get(f"{url}/api/v1/healthz"), calls, progress, "loopback round trip")
     t = {"step_http": _timed(http_step, calls, progress, "fwd+bwd+optim via HTTP"),

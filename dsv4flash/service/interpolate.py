@@ -36,5 +36,6 @@ def interpolate_checkpoints(service, sources: list[str], coefficients: list[floa
     with service.store_lock:
         service.store.publish(run_id, out, tags=[tag],
                               extra={"placement": placement.to_dict(), "kind": "sampler_weights", "name": name,
-                                     "interpolated_from": list(sources), "coefficients": [float(c) for c in coefficients]})
+                                     "interpolated_from": list(sources),
+                                     "coefficients": [float(c) for c in coefficients]})
     return path

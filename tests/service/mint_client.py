@@ -28,7 +28,8 @@ for _ in range(2):
 out["losses"] = losses
 out["forward_logprobs"] = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
 a = tc.save_weights_for_sampler("a").result().path
-[f.result() for f in (tc.forward_backward([datum], "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=1e-2)))]
+fb, opt = tc.forward_backward([datum], "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=1e-2))
+fb.result(), opt.result()
 b = tc.save_weights_for_sampler("b").result().path
 out["a"], out["b"] = a, b
 sampler = sc.create_sampling_client(model_path=a)

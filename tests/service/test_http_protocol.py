@@ -95,7 +95,8 @@ def test_malformed_requests_name_the_field(server, sdk):
 
 
 def test_request_size_limit(server):
-    r = _post(server, "forward_backward", content=b"\0" * (65 << 20), headers={"Content-Type": "application/x-protobuf"})
+    r = _post(server, "forward_backward", content=b"\0" * (65 << 20),
+              headers={"Content-Type": "application/x-protobuf"})
     assert r.status_code == 413 and "limit" in r.json()["detail"]
 
 

@@ -1,1 +1,2 @@
-"""Service plane of `dsv4flash serve`: API keys, tenants and run ownership, operation ids with bounded per-tenant queues, and the PolicyServer that admits requests to the service core."""
+"""Service plane of `dsv4flash serve`: API keys and tenants, run ownership, operation ids with bounded
+per-tenant queues, and the PolicyServer that admits requests to the service core."""

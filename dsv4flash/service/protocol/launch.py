@@ -25,7 +25,8 @@ class ServerProcess:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dsv4flash", "serve", "--host", "127.0.0.1", "--port", "0", "--store",
-             str(self.store), "--keys", str(self.keys), "--port-file", str(self.port_file), "--poll-s", str(poll_s), *args],
+             str(self.store), "--keys", str(self.keys), "--port-file", str(self.port_file), "--poll-s", str(poll_s),
+             *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env_all)
         deadline = time.time() + 120
         while not self.port_file.exists():
