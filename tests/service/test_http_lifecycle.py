@@ -54,3 +54,27 @@ def test_serve_user_errors_exit_2_without_traceback(tmp_path, args, message):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_silent_session_times_out_and_unloads_its_models(tmp_path):
+    import time
+
+    with running_server(tmp_path / "store", write_keys(tmp_path / "keys"),
+                        args=("--session-timeout-s", "2")) as srv:
+        h = {"X-API-Key": KEYS["alice"]}
+        sid = httpx.post(f"{srv.url}/api/v1/create_session", headers=h, json={
+            "tags": [], "user_metadata": None, "sdk_version": "raw"}).json()["session_id"]
+        rid = httpx.post(f"{srv.url}/api/v1/create_model", headers=h, json={
+            "session_id": sid, "model_seq_id": 0, "base_model": "tiny", "lora_config": {"rank": 4}}).json()
+        while "model_id" not in httpx.post(f"{srv.url}/api/v1/retrieve_future", headers=h, json={
+                "request_id": rid["request_id"]}).json():
+            pass
+        info = lambda: httpx.post(f"{srv.url}/api/v1/get_info", headers=h, json={"model_id": rid["model_id"]})  # noqa: E731
+        assert info().status_code == 200
+        time.sleep(3)  # no heartbeat: the client is gone
+        assert httpx.post(f"{srv.url}/api/v1/session_heartbeat", headers=h,
+                          json={"session_id": sid}).status_code == 410  # the SDK stops its heartbeat loop on 410
+        assert info().status_code == 404
+        with service_client(srv) as sdk:  # a live SDK session (heartbeats every 10 s) is not reaped meanwhile
+            tc = sdk.create_lora_training_client(base_model="tiny", rank=4).result()
+            assert tc.get_info().lora_rank == 4

@@ -62,7 +62,7 @@ class PolicyServer:
     """Tenant-checked, queued access to one `ServiceClient` (resident base + adapter store)."""
 
     def __init__(self, service, *, tokenizer_dir: str | None = None, max_pending: int = 64,
-                 keep_s: float = 3600.0, max_samplers: int = 32) -> None:
+                 keep_s: float = 3600.0, max_samplers: int = 32, session_timeout_s: float = 600.0) -> None:
         self.service = service
         self.tokenizer_dir = tokenizer_dir
         self.owners = RunOwners(service.root)
@@ -72,12 +72,14 @@ class PolicyServer:
         self._models: dict[str, Any] = {}  # run id -> core TrainingClient
         self._samplers: dict[str, Sampler] = {}  # insertion order = age (oldest first)
         self.max_samplers = int(max_samplers)
+        self.session_timeout_s = float(session_timeout_s)
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dsv4flash-plane")
 
     # ---- sessions ----
     def create_session(self, tenant: str, user_metadata: dict | None) -> str:
-        """A new session id for the tenant."""
+        """A new session id for the tenant (sessions silent for `session_timeout_s` are finished first)."""
+        self.reap()
         sid = f"s{secrets.token_hex(6)}"
         with self._lock:
             self._sessions[sid] = Session(sid, tenant, dict(user_metadata or {}))
@@ -89,10 +91,22 @@ class PolicyServer:
             s = self._sessions.get(session_id)
         if s is None or s.tenant != tenant:
             raise NotFound(f"session {session_id!r} not found")
+        s.last_seen = time.time()  # any request of a session keeps it alive, not only heartbeats
         return s
 
+    def reap(self, now: float | None = None) -> list[str]:
+        """Finish every session that sent nothing for `session_timeout_s` (a crashed client) -> their ids."""
+        now = time.time() if now is None else now
+        with self._lock:
+            stale = [s for s in self._sessions.values()
+                     if not s.finished and now - s.last_seen > self.session_timeout_s]
+        for s in stale:
+            self.finish_session(s.tenant, s.session_id)
+        return [s.session_id for s in stale]
+
     def heartbeat(self, tenant: str, session_id: str) -> None:
-        """Mark a session alive; a finished one raises `Gone`."""
+        """Mark a session alive; a finished (or timed-out) one raises `Gone`."""
+        self.reap()
         s = self.session(tenant, session_id)
         if s.finished:
             raise Gone(f"session {session_id} has finished")
@@ -135,6 +149,9 @@ class PolicyServer:
             raise NotFound(f"model {model_id!r} not found")
         with self._lock:
             tc = self._models.get(run)
+            owner_session = self._sessions.get(model_id.split(":", 1)[0])
+        if owner_session is not None:
+            owner_session.last_seen = time.time()
         if tc is None:
             raise NotFound(f"model {model_id!r} is not loaded on this server (it ran before a restart: resume it "
                            f"with create_training_client_from_state(<its checkpoint>))")
