@@ -33,7 +33,7 @@ def mint_run(tmp_path_factory):
         done = subprocess.run([sys.executable, str(Path(__file__).with_name("mint_client.py"))], env=env,
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-4000:]
-        yield json.loads(done.stdout), root / "store"
+        yield json.loads(done.stdout), root / "store", srv
 
 
 def _datum(mod):
@@ -65,7 +65,7 @@ def local(mint_run, resident, tmp_path_factory):
 
 
 def test_mint_client_trains_through_the_server(mint_run, local):
-    out, _ = mint_run
+    out, _, _ = mint_run
     assert (out["mint"], out["tinker"]) == ("0.2.0", "0.22.0")  # MinT's own pinned SDK, not the server's 0.38
     assert out["losses"] == local["losses"]
     assert out["forward_logprobs"] == local["logprobs"]
@@ -75,7 +75,7 @@ def test_mint_client_trains_through_the_server(mint_run, local):
 def test_mint_interpolate_checkpoints(mint_run):
     from dsv4flash.lifecycle import AdapterStore
 
-    out, store_dir = mint_run
+    out, store_dir, _ = mint_run
     mixed = out["interpolated"]
     assert mixed["coefficients"] == [0.25, 0.75] and mixed["path"].endswith("/sampler_weights/mix")
     store = AdapterStore(store_dir)
@@ -87,9 +87,30 @@ def test_mint_interpolate_checkpoints(mint_run):
 
 
 def test_mint_forward_backward_reverse_kl(mint_run, local):
-    out, _ = mint_run
+    out, _, _ = mint_run
     kl = out["reverse_kl"]
     assert kl["metrics"]["loss:sum"] == pytest.approx(local["kl"].metrics["loss:sum"], rel=1e-6)
     got = np.asarray(kl["outputs"][0]["loss"]["data"], np.float32)
     np.testing.assert_allclose(got, local["kl"].losses[0].to_numpy(), rtol=1e-6, atol=0)
     assert (got > 0).all()  # the student moved one step past the reference: KL > 0 at every position
+
+
+def test_both_sdk_versions_share_one_server(mint_run):
+    """The 0.38 SDK (alice, tml- key) on the server MinT's 0.22 client (mallory, sk- key) just used: after
+    mallory publishes a checkpoint, alice samples from it; her own run trains alongside."""
+    import httpx
+    from tinker import types
+
+    from tests.service.http_server import service_client
+
+    out, _, srv = mint_run
+    run, name = out["a"].split("/")[2], out["a"].split("/")[-1]
+    r = httpx.post(f"{srv.url}/api/v1/training_runs/{run}/checkpoints/sampler_weights/{name}/publish",
+                   headers={"X-API-Key": KEYS["mallory"]})
+    assert r.status_code == 200, r.text
+    with service_client(srv, "alice") as sdk:
+        sampler = sdk.create_sampling_client(model_path=out["a"]).result()
+        seq = sampler.sample(types.ModelInput.from_ints([0, 10, 11]), 2, types.SamplingParams(max_tokens=3, seed=5))
+        assert [list(s.tokens) for s in seq.result().sequences] == out["sampled"]  # same sampler, same seed
+        tc = sdk.create_lora_training_client(base_model="tiny", rank=4).result()
+        assert tc.forward([_datum(types)], "cross_entropy").result().loss_fn_outputs
