@@ -71,6 +71,7 @@ class PolicyServer:
         self._sessions: dict[str, Session] = {}
         self._models: dict[str, Any] = {}  # run id -> core TrainingClient
         self._samplers: dict[str, Sampler] = {}  # insertion order = age (oldest first)
+        self._by_path: dict[str | None, Any] = {}  # stateless asample: checkpoint path -> SamplingClient
         self.max_samplers = int(max_samplers)
         self.session_timeout_s = float(session_timeout_s)
         self._lock = threading.Lock()
@@ -243,6 +244,19 @@ class PolicyServer:
                 del self._samplers[old]
             self._samplers[sid] = Sampler(sid, tenant, client, model_path, session_id)
         return sid
+
+    def path_sampler(self, model_path: str | None):
+        """A shared core SamplingClient for a checkpoint path (None: the bare base), kept for the last
+        `max_samplers` paths, so stateless `asample` calls do not reread the checkpoint each time."""
+        with self._lock:
+            client = self._by_path.pop(model_path, None)
+        if client is None:
+            client = self.service.create_sampling_client(model_path=model_path)
+        with self._lock:
+            self._by_path[model_path] = client  # most recent last
+            while len(self._by_path) > self.max_samplers:
+                self._by_path.pop(next(iter(self._by_path)))
+        return client
 
     def sampler(self, tenant: str, sampler_id: str) -> Sampler:
         """The tenant's sampling session."""

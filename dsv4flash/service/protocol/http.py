@@ -104,6 +104,10 @@ def guarded(handler):
             return error_response(410, str(exc))
         except QueueFull as exc:
             return error_response(429, str(exc))
+        except PermissionError:  # e.g. a run id another tenant owns: answered as absent, naming nothing
+            return error_response(404, "not found")
+        except (ValueError, KeyError, FileNotFoundError) as exc:  # bad values caught by the core at submit time
+            return error_response(400, str(exc).strip("'\""))
 
     route.__name__ = handler.__name__
     return route

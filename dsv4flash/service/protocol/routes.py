@@ -276,11 +276,10 @@ async def asample(request: Request) -> Response:
             raise BadRequest(f"{name}: not supported by this server (leave it at {default!r})")
     if req.sampling_session_id is not None:
         client = plane.sampler(tenant, req.sampling_session_id).client
-    elif req.model_path is not None:
-        plane.require_readable(tenant, req.model_path)
-        client = await asyncio.to_thread(plane.service.create_sampling_client, req.model_path)
-    else:
-        client = plane.service.create_sampling_client()
+    else:  # stateless: a checkpoint path, or the bare base
+        if req.model_path is not None:
+            plane.require_readable(tenant, req.model_path)
+        client = await asyncio.to_thread(plane.path_sampler, req.model_path)
     if req.num_samples < 1:
         raise BadRequest(f"num_samples: must be at least 1, got {req.num_samples}")
     prompt = convert.tokens_of(req.prompt, "prompt")
@@ -308,8 +307,8 @@ async def retrieve_future(request: Request) -> Response:
     if not fut.done():
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), request.app.state.poll_s)
-        except (asyncio.TimeoutError, BaseException):
-            pass
+        except (asyncio.TimeoutError, Exception):
+            pass  # still running, or failed: either is answered below from the future itself
     if not fut.done():
         queued = plane.ops.pending(tenant)
         from tinker.types.try_again_response import TryAgainResponse
