@@ -87,6 +87,10 @@ def test_malformed_requests_name_the_field(server, sdk):
     assert r.status_code == 400 and r.json()["field"] == "tags"
     r = _post(server, "optim_step", json={"model_id": "x", "adam_params": {"learning_rate": "fast"}})
     assert r.status_code == 400 and "learning_rate" in r.json()["field"]
+    sid = _post(server, "create_session", json={"tags": [], "user_metadata": None, "sdk_version": "x"}).json()
+    r = _post(server, "create_model", json={"session_id": sid["session_id"], "model_seq_id": 0,
+                                            "base_model": "Qwen/Qwen3-8B"})
+    assert r.status_code == 400 and r.json()["field"] == "base_model" and "tiny" in r.json()["detail"]
     r = _post(server, "forward_backward", content=b"\x08\xff\xff", headers={"Content-Type": "application/x-protobuf"})
     assert r.status_code == 400 and "forward_backward" in r.json()["detail"]
     r = _post(server, "asample", json={"prompt": {"chunks": []}, "sampling_params": {}, "topk_sample_logprobs": 3,
