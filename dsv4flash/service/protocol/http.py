@@ -111,3 +111,25 @@ def guarded(handler):
 
     route.__name__ = handler.__name__
     return route
+
+
+def tinker_types():
+    """`tinker.types` (imported on first use: the server extra's pinned SDK)."""
+    from tinker import types
+
+    return types
+
+
+def plane_of(request: Request):
+    """The PolicyServer behind this app."""
+    return request.app.state.plane
+
+
+def future_response(request_id: str, **extra) -> JSONResponse:
+    """The `UntypedAPIFuture` answer of a queued request."""
+    return model_json(tinker_types().UntypedAPIFuture(request_id=request_id, **extra))
+
+
+def json_result(model):
+    """An operation encoder: result -> `model(result)` as JSON (for results the SDK reads as JSON)."""
+    return lambda result, proto: model(result).model_dump(mode="json", exclude_none=True)

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from dsv4flash.service.plane.policy_server import BadRequest
 from dsv4flash.service.protocol import wire
-from dsv4flash.service.protocol.http import guarded, parse, tenant_of
+from dsv4flash.service.protocol.http import future_response, guarded, parse, tenant_of
 
 
 class _Wire(BaseModel):
@@ -88,11 +88,7 @@ async def reverse_kl(request: Request) -> Response:
                 "outputs": [{"loss": {"data": t.data, "shape": t.shape, "dtype": t.dtype}} for t in out.losses]}
 
     rid = plane.submit(tenant, "reverse_kl", lambda: start, encode)
-    from tinker import types
-
-    from dsv4flash.service.protocol.http import model_json
-
-    return model_json(types.UntypedAPIFuture(request_id=rid, model_id=req.model_id))
+    return future_response(rid, model_id=req.model_id)
 
 
 async def interpolate(request: Request) -> Response:
@@ -121,11 +117,7 @@ async def interpolate(request: Request) -> Response:
 
     rid = plane.submit(tenant, "interpolate", lambda: plane.in_pool(
         interpolate_checkpoints, plane.service, req.source_paths, req.coefficients, run, name), encode)
-    from tinker import types
-
-    from dsv4flash.service.protocol.http import model_json
-
-    return model_json(types.UntypedAPIFuture(request_id=rid))
+    return future_response(rid)
 
 
 ROUTES = [

@@ -14,13 +14,7 @@ from starlette.routing import Route
 
 from dsv4flash.service.plane.policy_server import BadRequest, NotFound
 from dsv4flash.service.protocol import convert
-from dsv4flash.service.protocol.http import guarded, model_json, parse, read_body, tenant_of
-
-
-def _types():
-    from tinker import types
-
-    return types
+from dsv4flash.service.protocol.http import guarded, model_json, parse, read_body, tenant_of, tinker_types
 
 
 async def _wait(api_future):
@@ -56,7 +50,7 @@ async def list_runs(request: Request) -> Response:
     limit, offset = _page(request, 20)
     plane = request.app.state.plane
     resp = await asyncio.to_thread(plane.list_runs, tenant, limit, offset)
-    return model_json(_types().TrainingRunsResponse(training_runs=[convert.training_run(r, tenant)
+    return model_json(tinker_types().TrainingRunsResponse(training_runs=[convert.training_run(r, tenant)
                                                                    for r in resp.training_runs],
                                                     cursor=convert.cursor(resp.cursor)))
 
@@ -73,8 +67,8 @@ async def list_run_checkpoints(request: Request) -> Response:
     plane = request.app.state.plane
     run = plane.run_of(tenant, request.path_params["run_id"])
     resp = await _wait(plane.rest.list_checkpoints(run))
-    return model_json(_types().CheckpointsListResponse(checkpoints=[convert.checkpoint(c) for c in resp.checkpoints],
-                                                       cursor=convert.cursor(resp.cursor)))
+    return model_json(tinker_types().CheckpointsListResponse(
+        checkpoints=[convert.checkpoint(c) for c in resp.checkpoints], cursor=convert.cursor(resp.cursor)))
 
 
 async def list_user_checkpoints(request: Request) -> Response:
@@ -82,8 +76,8 @@ async def list_user_checkpoints(request: Request) -> Response:
     limit, offset = _page(request, 100)
     plane = request.app.state.plane
     resp = await asyncio.to_thread(plane.list_user_checkpoints, tenant, limit, offset)
-    return model_json(_types().CheckpointsListResponse(checkpoints=[convert.checkpoint(c) for c in resp.checkpoints],
-                                                       cursor=convert.cursor(resp.cursor)))
+    return model_json(tinker_types().CheckpointsListResponse(
+        checkpoints=[convert.checkpoint(c) for c in resp.checkpoints], cursor=convert.cursor(resp.cursor)))
 
 
 async def delete_checkpoint(request: Request) -> Response:
@@ -126,7 +120,7 @@ async def external_weights_urls(request: Request) -> Response:
     from datetime import datetime, timedelta, timezone
 
     expires = resp.expires or datetime.now(timezone.utc) + timedelta(days=3650)
-    return model_json(_types().ExternalWeightsUrlsResponse(urls={"peft": resp.url}, expires=expires))
+    return model_json(tinker_types().ExternalWeightsUrlsResponse(urls={"peft": resp.url}, expires=expires))
 
 
 async def weights_info(request: Request) -> Response:
@@ -135,7 +129,7 @@ async def weights_info(request: Request) -> Response:
     body = await parse(request, _WeightsInfoRequest())
     parsed = plane.require_readable(tenant, body.tinker_path)
     _, _, placement = await asyncio.to_thread(plane.service._read_checkpoint, parsed.tinker_path, False)
-    return model_json(_types().WeightsInfoResponse(base_model=plane.service.base.base_model, is_lora=True,
+    return model_json(tinker_types().WeightsInfoResponse(base_model=plane.service.base.base_model, is_lora=True,
                                                    lora_rank=int(placement.rank)))
 
 
