@@ -78,3 +78,18 @@ def test_silent_session_times_out_and_unloads_its_models(tmp_path):
         with service_client(srv) as sdk:  # a live SDK session (heartbeats every 10 s) is not reaped meanwhile
             tc = sdk.create_lora_training_client(base_model="tiny", rank=4).result()
             assert tc.get_info().lora_rank == 4
+
+
+def test_default_keys_file_is_made_once_and_kept(tmp_path):
+    import re
+
+    from dsv4flash.service.protocol.launch import ServerProcess
+
+    with ServerProcess(tmp_path / "store", None) as srv:
+        key = re.search(r"\n  (tml-\S+)", srv.log()).group(1)  # printed once, on first start
+        assert httpx.get(f"{srv.url}/api/v1/training_runs", headers={"X-API-Key": key}).status_code == 200
+    stored = (tmp_path / "store" / "service" / "keys").read_text()
+    assert key not in stored and stored.startswith("default sha256:")
+    with ServerProcess(tmp_path / "store", None) as again:  # restart: same keys file, no new key printed
+        assert httpx.get(f"{again.url}/api/v1/training_runs", headers={"X-API-Key": key}).status_code == 200
+        assert again.log().count("new API key") == 1

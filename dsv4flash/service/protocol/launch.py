@@ -15,9 +15,10 @@ import httpx
 class ServerProcess:
     """A running `dsv4flash serve` child: `url`, `proc`, and the log file it writes (next to the store)."""
 
-    def __init__(self, store: Path, keys: Path, *, env: dict | None = None, args: tuple = (),
+    def __init__(self, store: Path, keys: Path | None, *, env: dict | None = None, args: tuple = (),
                  poll_s: float = 1.0) -> None:
-        self.store, self.keys = Path(store), Path(keys)
+        """`keys=None`: no `--keys` (the server uses, and on first start fills, `<store>/service/keys`)."""
+        self.store, self.keys = Path(store), (Path(keys) if keys is not None else None)
         self.port_file = self.store.parent / f"{self.store.name}.port"
         self.port_file.unlink(missing_ok=True)
         self.log_path = self.store.parent / f"{self.store.name}.log"
@@ -25,8 +26,8 @@ class ServerProcess:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dsv4flash", "serve", "--host", "127.0.0.1", "--port", "0", "--store",
-             str(self.store), "--keys", str(self.keys), "--port-file", str(self.port_file), "--poll-s", str(poll_s),
-             *args],
+             str(self.store), *(["--keys", str(self.keys)] if keys is not None else []), "--port-file",
+             str(self.port_file), "--poll-s", str(poll_s), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env_all)
         deadline = time.time() + 120
         while not self.port_file.exists():
