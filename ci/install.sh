@@ -56,6 +56,13 @@ echo "[install] megatron-core 0.19.2 + megatron-bridge 0.6.2 (--no-deps: their f
 pipi triton einops "transformers==5.10.4" peft accelerate typing_extensions
 pipi --no-deps --ignore-requires-python "megatron-core==0.19.2" "megatron-bridge==0.6.2"
 
+echo "[install] dsv4flash serve: the real tinker SDK 0.38.0 (its deps are CPU-only; torch/transformers stay pinned)"
+pipi "tinker==0.38.0" "starlette>=0.40" "uvicorn>=0.30" "zstandard>=0.24" "tokenizers>=0.22,<=0.23.0"
+# MinT's client pins tinker 0.22.0: it goes to its own target directory (tests put it first on PYTHONPATH), with
+# --no-deps because every dependency of tinker 0.22 is already in this environment.
+python -m pip install --disable-pip-version-check -q --no-deps --upgrade --target "$root/.sdk/mint" \
+  "mindlab-toolkit==0.2.0" "tinker==0.22.0"
+
 echo "[install] verl 0.9.1 (base deps only; its extras pin a CUDA torch)"
 pipi "verl==0.9.1"
 

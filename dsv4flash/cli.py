@@ -12,6 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("dsv4flash_bridge.cli", "convert checkpoints between the release layout and BF16/FP32"),
     "patches": ("dsv4flash.patches_cli", "list, check, apply and audit the upstream patch series"),
     "lifecycle": ("dsv4flash.lifecycle.cli", "adapter store: list policies, show/log revisions, tag, rollback, gc, export"),
+    "serve": ("dsv4flash.service.protocol.serve", "Tinker-protocol HTTP server over the policy service; `keys add`"),
 }
 
 

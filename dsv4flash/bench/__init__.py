@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "faults": "fault-case table: tried / clean error / correct result / silent wrong / data lost / left behind / hung",
     "decode": "cached incremental decode vs full recompute tokens/s at 64/256/1024 tokens, prefill tok/s, shared-prefill cache memory",
     "handoff": "trainer -> sampler handoff: adapter revision vs merged full checkpoint, bytes and time (tiny measured, V4.1 computed)",
+    "service_http": "dsv4flash serve via the tinker SDK vs in-process: fwd+bwd+optim and sample p50/p99, 3 concurrent GRPO clients vs sequential",
     "service": "policy service: shared-encoder multi-adapter throughput (N=1..8) and concurrent vs sequential GRPO makespan/peak RSS",
 }
 

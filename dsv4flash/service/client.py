@@ -67,13 +67,15 @@ class ServiceClient:
             "dsv4flash_service": {"base_model": self.base.base_model, "lora_rank": pc.rank, "preset": pc.preset}})
         return TrainingClient(self, run_id, pc, self.base.fresh_adapter(pc))
 
-    def create_training_client_from_state(self, path: str, user_metadata: dict | None = None) -> TrainingClient:
+    def create_training_client_from_state(self, path: str, user_metadata: dict | None = None, *,
+                                          run_id: str | None = None) -> TrainingClient:
         """A new run initialised with the weights of a `weights/` checkpoint."""
-        return self._from_state(path, False)
+        return self._from_state(path, False, user_metadata, run_id)
 
-    def create_training_client_from_state_with_optimizer(self, path: str, user_metadata: dict | None = None):
+    def create_training_client_from_state_with_optimizer(self, path: str, user_metadata: dict | None = None, *,
+                                                         run_id: str | None = None):
         """A new run initialised with weights and optimizer state."""
-        return self._from_state(path, True)
+        return self._from_state(path, True, user_metadata, run_id)
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
                                retry_config=None) -> SamplingClient:
@@ -189,9 +191,11 @@ class ServiceClient:
             state = torch.load(io.BytesIO(blob), weights_only=False) if blob is not None else None
         return tensors, state, placement
 
-    def _from_state(self, path: str, with_optimizer: bool) -> TrainingClient:
+    def _from_state(self, path: str, with_optimizer: bool, user_metadata: dict | None = None,
+                    run_id: str | None = None) -> TrainingClient:
         pc = self._read_checkpoint(path, False)[2]
-        client = self.create_lora_training_client(rank=pc.rank, **{k: v for k, v in pc.to_dict().items()
-                                                                   if k not in ("rank", "include_from_preset")})
+        client = self.create_lora_training_client(rank=pc.rank, user_metadata=user_metadata, run_id=run_id,
+                                                  **{k: v for k, v in pc.to_dict().items()
+                                                     if k not in ("rank", "include_from_preset")})
         (client.load_state_with_optimizer if with_optimizer else client.load_state)(path).result()
         return client

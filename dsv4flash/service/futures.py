@@ -31,20 +31,29 @@ class APIFuture(Generic[T]):
         """Whether the call has finished."""
         return self._future.done()
 
+    @property
+    def future(self) -> Future:
+        """The underlying `concurrent.futures.Future` (what a server polls or awaits)."""
+        return self._future
+
     def __await__(self):
         return self.result_async().__await__()
 
 
 class OrderedExecutor:
-    """One worker thread running submitted calls strictly in submission order."""
+    """Runs submitted calls strictly in submission order on one worker thread.
 
-    def __init__(self, name: str) -> None:
+    The worker exits after `idle_s` seconds without work and a new one starts with the next submission (still
+    one at a time), so clients that are no longer used (a sampler per RL step) leave no thread behind.
+    """
+
+    def __init__(self, name: str, idle_s: float = 30.0) -> None:
         self.name = name
+        self.idle_s = float(idle_s)
         self._queue: queue.Queue = queue.Queue()
         self._seq = 0
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name=f"dsv4flash-{name}", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
 
     def submit(self, fn: Callable[..., Any], *args, **kwargs) -> APIFuture:
         """Queue `fn(*args, **kwargs)`; the request id is `<name>:<seq>` (deterministic per client)."""
@@ -53,11 +62,21 @@ class OrderedExecutor:
             self._seq += 1
             request_id = f"{self.name}:{self._seq}"
             self._queue.put((fut, fn, args, kwargs))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"dsv4flash-{self.name}", daemon=True)
+                self._thread.start()
         return APIFuture(fut, request_id)
 
     def _loop(self) -> None:
         while True:
-            fut, fn, args, kwargs = self._queue.get()
+            try:
+                fut, fn, args, kwargs = self._queue.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:  # submit() enqueues under this lock, so nothing can slip in unseen
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
             if not fut.set_running_or_notify_cancel():
                 continue
             try:

@@ -91,8 +91,15 @@ class TrainingClient:
         """A SamplingClient on a snapshot of the current weights (waits for queued calls; `name` also saves)."""
         if name is not None:
             self.save_weights_for_sampler(name).result()
-        snapshot = self._exec.submit(lambda: {k: p.detach().clone() for k, p in self.adapter.items()}).result()
-        return self.service._sampling_client(self.placement, snapshot, f"{self.run_id}/live-{self.step}")
+        return self.snapshot_sampling_client().result()
+
+    def run_ordered(self, fn, *args) -> APIFuture:
+        """`fn(self, *args)` on this client's worker, in submission order with its other calls (extensions)."""
+        return self._exec.submit(fn, self, *args)
+
+    def snapshot_sampling_client(self) -> APIFuture:
+        """A future SamplingClient on the weights as they stand after every call queued before this one."""
+        return self._exec.submit(self._snapshot_sampler)
 
     def create_sampling_client(self, model_path: str, retry_config: Any = None):
         """A SamplingClient on saved sampler (or training) weights."""
@@ -133,6 +140,10 @@ class TrainingClient:
         return self.save_weights_for_sampler(*args, **kwargs)
 
     # ---- work (on this client's worker thread) ----
+    def _snapshot_sampler(self):
+        snapshot = {k: p.detach().clone() for k, p in self.adapter.items()}
+        return self.service._sampling_client(self.placement, snapshot, f"{self.run_id}/live-{self.step}")
+
     def _forward_backward(self, data, loss_fn, loss_fn_config, backward: bool) -> ForwardBackwardOutput:
         if not data:
             raise ValueError("forward_backward: empty data list")

@@ -11,7 +11,8 @@ vLLM calls it in every process (API server, engine core, workers). It applies th
   These two patch V4.1 model modules; they are applied when the model is built (the model class calls
   `register(model_code=True)`), so API-server processes never import GPU model code.
 
-See docs/vllm.md for enabling it in a deployment.
+With `DSV4FLASH_LORA_STORE` set it also registers a `LoRAResolver` over the adapter catalog
+(`lora_resolver.py`: `model="<policy>:<tag>"`). See docs/vllm.md for enabling it in a deployment.
 """
 
 from __future__ import annotations
@@ -42,4 +43,7 @@ def register(model_code: bool = False) -> dict:
                 outcomes[twin.meta.patch_id] = twin.apply(registry=registry)
     for patch_id, outcome in outcomes.items():
         log.debug("%s: %s", patch_id, outcome.value)
+    from dsv4flash.integrations.vllm.lora_resolver import register_catalog_resolver
+
+    register_catalog_resolver()  # only when DSV4FLASH_LORA_STORE names a store (idempotent)
     return outcomes

@@ -1,0 +1,218 @@
+"""`dsv4flash serve` through the real tinker SDK vs the in-process service core, on the tiny model.
+
+latency: per-call p50/p99 of `forward_backward`+`optim_step` and of `sample` through HTTP and in-process on the
+same work; the floor of the HTTP figure is the in-process time plus one loopback round trip per HTTP exchange
+(submit + retrieve for each future). grpo: 3 GRPO clients (each its own `ServiceClient`, reward function that
+sleeps) run concurrently through the server vs one after another (MinT: 1.77×).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dsv4flash.bench.report import BenchReport
+
+MINT_GRPO = 1.77
+TARGET_OVERHEAD_MS = 10.0  # HTTP p50 over in-process p50, per fwd+bwd+optim call
+_KEY = "tml-bench-0000000000000000"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Bench options."""
+    parser.add_argument("--part", choices=("all", "latency", "grpo"), default="all")
+    parser.add_argument("--calls", type=int, default=30, help="timed calls per latency figure")
+    parser.add_argument("--grpo-steps", type=int, default=3)
+    parser.add_argument("--reward-latency", type=float, default=0.05, help="seconds per reward call")
+    parser.add_argument("--plot", metavar="PNG", help="also write a chart of the comparisons")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs) * 1e3, q))
+
+
+def _timed(fn, calls: int, progress, label: str) -> list[float]:
+    fn()  # warm-up (first call builds shells, connections)
+    out = []
+    task = progress.add_task(label, total=calls)
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+        progress.advance(task)
+    return out
+
+
+def _sl_data(mod):
+    rows = [[0, 10, 11, 12, 20, 21, 22, 1], [0, 13, 14, 15, 23, 24, 25, 1]]
+    return [mod.Datum(model_input=mod.ModelInput.from_ints(r[:-1]),
+                      loss_fn_inputs=dict(target_tokens=np.array(r[1:]), weights=np.ones(len(r) - 1, np.float32)))
+            for r in rows]
+
+
+def _latency(url: str, rep: BenchReport, calls: int, progress) -> dict:
+    import httpx
+    import tinker
+    from tinker import types
+
+    import dsv4flash.service as core
+
+    sdk = tinker.ServiceClient(base_url=url, api_key=_KEY)
+    tc = sdk.create_lora_training_client(base_model="tiny", rank=4).result()
+    local = core.ServiceClient("tiny", root=tempfile.mkdtemp(prefix="dsv4flash-bench-"))
+    ltc = local.create_lora_training_client(rank=4)
+    http_data, local_data = _sl_data(types), _sl_data(core.types)
+
+    def http_step():
+        fb, opt = tc.forward_backward(http_data, "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=1e-3))
+        fb.result(), opt.result()
+
+    def local_step():
+        fb, opt = ltc.forward_backward(local_data, "cross_entropy"), ltc.optim_step(core.types.AdamParams(1e-3))
+        fb.result(), opt.result()
+
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    lsampler = ltc.save_weights_and_get_sampling_client()
+    prompt, lprompt = types.ModelInput.from_ints([0, 10, 11, 12]), core.types.ModelInput.from_ints([0, 10, 11, 12])
+    http_sample = lambda: sampler.sample(prompt, 4, types.SamplingParams(max_tokens=4, seed=1)).result()  # noqa: E731
+    local_params = core.types.SamplingParams(max_tokens=4, seed=1)
+    local_sample = lambda: lsampler.sample(lprompt, 4, local_params).result()  # noqa: E731
+    with httpx.Client() as h:
+        rtt = _timed(lambda: h.get(f"{url}/api/v1/healthz"), calls, progress, "loopback round trip")
+    t = {"step_http": _timed(http_step, calls, progress, "fwd+bwd+optim via HTTP"),
+         "step_local": _timed(local_step, calls, progress, "fwd+bwd+optim in-process"),
+         "sample_http": _timed(http_sample, calls, progress, "sample via HTTP"),
+         "sample_local": _timed(local_sample, calls, progress, "sample in-process")}
+    rtt50 = _pct(rtt, 50)
+    rep.add("loopback_rtt_p50", rtt50, "ms", note="GET /healthz on 127.0.0.1 (one HTTP exchange)")
+    for what, exchanges in (("step", 4), ("sample", 2)):
+        for q in (50, 99):
+            rep.add(f"{what}_local_p{q}", _pct(t[f"{what}_local"], q), "ms", note="in-process service core")
+            rep.add(f"{what}_floor_p{q}", _pct(t[f"{what}_local"], q) + exchanges * rtt50, "ms",
+                    note=f"in-process + {exchanges} round trips")
+            rep.add(f"{what}_http_p{q}", _pct(t[f"{what}_http"], q), "ms", baseline=f"{what}_local_p{q}",
+                    limit=f"{what}_floor_p{q}", note="tinker SDK 0.38 -> dsv4flash serve")
+    overhead = rep.value("step_http_p50") - rep.value("step_local_p50")
+    rep.target(f"HTTP overhead of one fwd+bwd+optim call {overhead:.1f} ms at p50 (target <= {TARGET_OVERHEAD_MS} ms)",
+               overhead <= TARGET_OVERHEAD_MS)
+    return {k: (_pct(v, 50), _pct(v, 99)) for k, v in t.items()}
+
+
+def _grpo_client(url: str, name: str, seed: int, steps: int, latency: float, phases: dict) -> None:
+    """One cookbook-shaped GRPO loop through the SDK: rollout, score (sleeps), update, export."""
+    import tinker
+    from tinker import types
+
+    sdk = tinker.ServiceClient(base_url=url, api_key=_KEY)
+    tc = sdk.create_lora_training_client(base_model="tiny", rank=4, seed=seed).result()
+    prompts = [[0, 20 + seed, 21, 22], [0, 30 + seed, 31, 32]]
+    score = 0.0
+    for step in range(steps):
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        groups = [f.result() for f in [sampler.sample(types.ModelInput.from_ints(p), 4, types.SamplingParams(
+            max_tokens=4, seed=seed * 100003 + step * 101 + i)) for i, p in enumerate(prompts)]]
+        t0 = time.perf_counter()
+        rewards = []
+        for p, g in zip(prompts, groups):
+            rs = []
+            for s in g.sequences:
+                time.sleep(latency)  # the reward call's latency: leaves the base to the other clients
+                rs.append(float((p + list(s.tokens))[-1] % 3 == 0))
+            rewards.append(rs)
+        score += time.perf_counter() - t0
+        data = []
+        for p, g, rs in zip(prompts, groups, rewards):
+            mean = sum(rs) / len(rs)
+            for s, r in zip(g.sequences, rs):
+                toks, ob = p + list(s.tokens), len(p) - 1
+                data.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs=dict(
+                    target_tokens=np.array(toks[1:]), logprobs=np.array([0.0] * ob + list(s.logprobs), np.float32),
+                    advantages=np.array([0.0] * ob + [r - mean] * len(s.tokens), np.float32))))
+        fb, opt = tc.forward_backward(data, "importance_sampling"), tc.optim_step(types.AdamParams(learning_rate=1e-2))
+        fb.result(), opt.result()
+        tc.save_weights_for_sampler(f"{name}-step-{step + 1}").result()
+    phases[name] = score
+
+
+def _grpo(url: str, rep: BenchReport, steps: int, latency: float, progress) -> dict:
+    task = progress.add_task("GRPO: sequential, then 3 concurrent clients", total=2)
+    seq_phases: dict = {}
+    t0 = time.perf_counter()
+    for i in range(3):
+        _grpo_client(url, f"seq{i}", i, steps, latency, seq_phases)
+    seq = time.perf_counter() - t0
+    progress.advance(task)
+    con_phases: dict = {}
+    threads = [threading.Thread(target=_grpo_client, args=(url, f"con{i}", i, steps, latency, con_phases))
+               for i in range(3)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    con = time.perf_counter() - t0
+    progress.advance(task)
+    if len(con_phases) != 3:
+        raise RuntimeError("a concurrent GRPO client failed (see its traceback above)")
+    scoring = sum(seq_phases.values())
+    bound = max(seq - scoring, seq / 3)
+    rep.add("grpo_http_sequential_makespan", seq, "s", note=f"3 clients x {steps} steps, one after another; "
+            f"scoring {scoring:.1f}s of it")
+    rep.add("grpo_http_concurrent_bound", bound, "s", note="max(sequential minus scoring, one client's makespan); "
+            "client-side work overlaps too, so not a hard floor")
+    rep.add("grpo_http_concurrent_makespan", con, "s", baseline="grpo_http_sequential_makespan",
+            limit="grpo_http_concurrent_bound", note="3 SDK clients at once through one server")
+    ratio = seq / con
+    rep.target(f"3 concurrent GRPO clients through the server {ratio:.2f}x faster than sequential "
+               f"(MinT: {MINT_GRPO}x)", ratio >= MINT_GRPO)
+    return {"makespan": (seq, con), "bound": bound}
+
+
+def run(args: argparse.Namespace) -> BenchReport:
+    """Start a server on a fresh store, measure, stop it."""
+    from rich.progress import Progress
+
+    from dsv4flash.service.protocol.launch import ServerProcess
+
+    torch.set_num_threads(1)
+    rep = BenchReport("dsv4flash serve vs in-process service (tiny, 1 thread each side)")
+    root = Path(tempfile.mkdtemp(prefix="dsv4flash-bench-http-"))
+    (root / "keys").write_text(f"bench {_KEY}\n")
+    lat = grpo = None
+    with ServerProcess(root / "store", root / "keys", poll_s=30.0) as server, Progress(transient=True) as progress:
+        if args.part in ("all", "latency"):
+            lat = _latency(server.url, rep, args.calls, progress)
+        if args.part in ("all", "grpo"):
+            grpo = _grpo(server.url, rep, args.grpo_steps, args.reward_latency, progress)
+    if args.plot:
+        _plot(lat, grpo, args.plot, rep.title)
+    return rep
+
+
+def _plot(lat, grpo, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    if lat:
+        names = ["step_local", "step_http", "sample_local", "sample_http"]
+        x = np.arange(len(names))
+        axes[0].bar(x - 0.2, [lat[n][0] for n in names], 0.4, label="p50")
+        axes[0].bar(x + 0.2, [lat[n][1] for n in names], 0.4, label="p99")
+        axes[0].set_xticks(x, [n.replace("_", "\n") for n in names])
+        axes[0].set_ylabel("ms per call")
+        axes[0].legend()
+    if grpo:
+        axes[1].bar(["sequential", "concurrent", "bound"], [*grpo["makespan"], grpo["bound"]], color=["C0", "C1", "k"])
+        axes[1].set_ylabel("GRPO makespan (s)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,304 @@
+"""The service plane of `dsv4flash serve`: tenants, sessions, runs, samplers and operations over the core.
+
+Every request arrives here already parsed (core types, the caller's tenant). This layer checks that the tenant
+may touch the run / checkpoint / sampler named, admits the request to the tenant's bounded queue as an
+operation, and hands the work to the service core (`ServiceClient`, `TrainingClient`, `SamplingClient`,
+`RestClient`), which holds the one implementation of training, sampling, losses and checkpoints. Anything of
+another tenant is answered exactly like something that does not exist (`NotFound`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dsv4flash.service.plane.operations import OperationTable
+from dsv4flash.service.plane.owners import RunOwners
+from dsv4flash.service.types import ParsedCheckpointTinkerPath
+
+
+class NotFound(LookupError):
+    """No such run / checkpoint / sampler / session for this tenant (HTTP 404)."""
+
+
+class BadRequest(ValueError):
+    """A request field with a bad value (HTTP 400); the message names the field."""
+
+
+def run_id_of(model_id: str) -> str:
+    """The store's run id of a Tinker model id (`<session>:train:<n>` -> `<session>-train-<n>`)."""
+    return model_id.replace(":", "-")
+
+
+@dataclass
+class Session:
+    """One SDK session (a `ServiceClient`): its tenant and when it last sent a heartbeat."""
+
+    session_id: str
+    tenant: str
+    user_metadata: dict = field(default_factory=dict)
+    last_seen: float = field(default_factory=time.time)
+    finished: bool = False
+    sampler_clones: int = 0
+
+
+@dataclass
+class Sampler:
+    """A sampling session: the core SamplingClient, what it samples, and the session it belongs to."""
+
+    sampler_id: str
+    tenant: str
+    client: Any
+    model_path: str | None
+    session_id: str
+    clones: int = 0
+
+
+class PolicyServer:
+    """Tenant-checked, queued access to one `ServiceClient` (resident base + adapter store)."""
+
+    def __init__(self, service, *, tokenizer_dir: str | None = None, max_pending: int = 64,
+                 keep_s: float = 3600.0, max_samplers: int = 32, session_timeout_s: float = 600.0) -> None:
+        self.service = service
+        self.tokenizer_dir = tokenizer_dir
+        self.owners = RunOwners(service.root)
+        self.ops = OperationTable(max_pending=max_pending, keep_s=keep_s)
+        self.rest = service.create_rest_client()
+        self._sessions: dict[str, Session] = {}
+        self._models: dict[str, Any] = {}  # run id -> core TrainingClient
+        self._samplers: dict[str, Sampler] = {}  # insertion order = age (oldest first)
+        self._by_path: dict[str | None, Any] = {}  # stateless asample: checkpoint path -> SamplingClient
+        self.max_samplers = int(max_samplers)
+        self.session_timeout_s = float(session_timeout_s)
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dsv4flash-plane")
+
+    # ---- sessions ----
+    def create_session(self, tenant: str, user_metadata: dict | None) -> str:
+        """A new session id for the tenant (sessions silent for `session_timeout_s` are finished first)."""
+        self.reap()
+        sid = f"s{secrets.token_hex(6)}"
+        with self._lock:
+            self._sessions[sid] = Session(sid, tenant, dict(user_metadata or {}))
+        return sid
+
+    def session(self, tenant: str, session_id: str) -> Session:
+        """The tenant's live session."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+        if s is None or s.tenant != tenant:
+            raise NotFound(f"session {session_id!r} not found")
+        s.last_seen = time.time()  # any request of a session keeps it alive, not only heartbeats
+        return s
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Finish every session that sent nothing for `session_timeout_s` (a crashed client) -> their ids."""
+        now = time.time() if now is None else now
+        with self._lock:
+            stale = [s for s in self._sessions.values()
+                     if not s.finished and now - s.last_seen > self.session_timeout_s]
+        for s in stale:
+            self.finish_session(s.tenant, s.session_id)
+        return [s.session_id for s in stale]
+
+    def heartbeat(self, tenant: str, session_id: str) -> None:
+        """Mark a session alive; a finished (or timed-out) one raises `Gone`."""
+        self.reap()
+        s = self.session(tenant, session_id)
+        if s.finished:
+            raise Gone(f"session {session_id} has finished")
+        s.last_seen = time.time()
+
+    def finish_session(self, tenant: str, session_id: str) -> None:
+        """End a session: its live models and samplers leave memory; runs and checkpoints stay in the store."""
+        self.session(tenant, session_id).finished = True
+        with self._lock:
+            for run in [r for r in self._models if r.startswith(f"{session_id}-train-")]:
+                del self._models[run]
+            for sid in [k for k, v in self._samplers.items() if v.session_id == session_id]:
+                del self._samplers[sid]
+
+    # ---- operations ----
+    def submit(self, tenant: str, kind: str, start: Callable[[], Any], encode: Callable[[Any], Any]) -> str:
+        """Admit one request to the tenant's queue and start it -> its request id.
+
+        `start()` returns a core APIFuture / concurrent Future (work already queued in order), or a plain value
+        callable's result when wrapped by `in_pool`.
+        """
+        request_id = self.ops.admit(tenant, kind)
+        try:
+            fut = start()
+        except BaseException:
+            self.ops.release(tenant)
+            raise
+        self.ops.attach(request_id, tenant, kind, getattr(fut, "future", fut), encode)
+        return request_id
+
+    def in_pool(self, fn: Callable[..., Any], *args, **kwargs) -> concurrent.futures.Future:
+        """Run a synchronous core call on the plane's worker pool."""
+        return self._pool.submit(fn, *args, **kwargs)
+
+    # ---- runs ----
+    def model(self, tenant: str, model_id: str):
+        """The tenant's live core TrainingClient for a model id."""
+        run = run_id_of(model_id)
+        if self.owners.owner(run) != tenant:
+            raise NotFound(f"model {model_id!r} not found")
+        with self._lock:
+            tc = self._models.get(run)
+            owner_session = self._sessions.get(model_id.split(":", 1)[0])
+        if owner_session is not None:
+            owner_session.last_seen = time.time()
+        if tc is None:
+            raise NotFound(f"model {model_id!r} is not loaded on this server (it ran before a restart: resume it "
+                           f"with create_training_client_from_state(<its checkpoint>))")
+        return tc
+
+    def create_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora: dict,
+                     user_metadata: dict | None):
+        """A new LoRA run `<session>:train:<seq>` -> its model id (runs synchronously; call via `in_pool`)."""
+        self.session(tenant, session_id)
+        model_id = f"{session_id}:train:{int(model_seq_id)}"
+        run = run_id_of(model_id)
+        self.owners.claim(run, tenant)
+        tc = self.service.create_lora_training_client(base_model, user_metadata=user_metadata, run_id=run, **lora)
+        with self._lock:
+            self._models[run] = tc
+        return model_id
+
+    def create_model_from_state(self, tenant: str, session_id: str, model_seq_id: int, path: str,
+                                with_optimizer: bool, user_metadata: dict | None):
+        """A new run loaded from a readable checkpoint (SDK's create_training_client_from_state*)."""
+        self.session(tenant, session_id)
+        self.require_readable(tenant, path)
+        model_id = f"{session_id}:train:{int(model_seq_id)}"
+        run = run_id_of(model_id)
+        self.owners.claim(run, tenant)
+        make = (self.service.create_training_client_from_state_with_optimizer if with_optimizer
+                else self.service.create_training_client_from_state)
+        tc = make(path, user_metadata, run_id=run)
+        with self._lock:
+            self._models[run] = tc
+        return path, model_id
+
+    def run_of(self, tenant: str, run_or_model_id: str) -> str:
+        """A run id the tenant owns (model ids accepted)."""
+        run = run_id_of(run_or_model_id)
+        if self.owners.owner(run) != tenant:
+            raise NotFound(f"training run {run_or_model_id!r} not found")
+        return run
+
+    # ---- checkpoints ----
+    def parse_path(self, path: str) -> ParsedCheckpointTinkerPath:
+        """A tinker:// / mint:// checkpoint path; BadRequest naming the field otherwise."""
+        try:
+            return ParsedCheckpointTinkerPath.from_tinker_path(path)
+        except ValueError as exc:
+            raise BadRequest(f"path: {exc}") from exc
+
+    def require_own(self, tenant: str, path: str) -> ParsedCheckpointTinkerPath:
+        """A checkpoint path of one of the tenant's runs (NotFound otherwise)."""
+        parsed = self.parse_path(path)
+        if self.owners.owner(parsed.training_run_id) != tenant:
+            raise NotFound(f"checkpoint {path} not found")
+        return parsed
+
+    def require_readable(self, tenant: str, path: str) -> ParsedCheckpointTinkerPath:
+        """A checkpoint the tenant owns, or one its owner published (NotFound otherwise)."""
+        parsed = self.parse_path(path)
+        owner = self.owners.owner(parsed.training_run_id)
+        if owner is None or (owner != tenant and not self.service.checkpoints.get(path)["public"]):
+            raise NotFound(f"checkpoint {path} not found")
+        try:
+            self.service.require_checkpoint(path)
+        except FileNotFoundError as exc:
+            raise NotFound(str(exc)) from exc
+        return parsed
+
+    # ---- samplers ----
+    def create_sampler(self, tenant: str, session_id: str, model_path: str | None, base_model: str | None) -> str:
+        """A sampling session on a readable checkpoint or the bare base -> its id."""
+        self.session(tenant, session_id)
+        if model_path is not None:
+            self.require_readable(tenant, model_path)
+        elif base_model is not None and base_model != self.service.base.base_model:
+            raise BadRequest(f"base_model: {base_model!r} is not served here (the resident base is "
+                             f"{self.service.base.base_model!r})")
+        client = self.service.create_sampling_client(model_path=model_path)
+        return self.add_sampler(tenant, session_id, client, model_path)
+
+    def add_sampler(self, tenant: str, session_id: str, client, model_path: str | None) -> str:
+        """Register a core SamplingClient as a sampling session of the tenant -> its id.
+
+        Each holds an adapter copy, so a tenant keeps at most `max_samplers`: registering one more drops its
+        oldest (an RL loop makes one per step with `save_weights_and_get_sampling_client`; old ones answer 404).
+        """
+        sid = f"sampler-{secrets.token_hex(6)}"
+        with self._lock:
+            mine = [k for k, v in self._samplers.items() if v.tenant == tenant]
+            for old in mine[:max(0, len(mine) - self.max_samplers + 1)]:
+                del self._samplers[old]
+            self._samplers[sid] = Sampler(sid, tenant, client, model_path, session_id)
+        return sid
+
+    def path_sampler(self, model_path: str | None):
+        """A shared core SamplingClient for a checkpoint path (None: the bare base), kept for the last
+        `max_samplers` paths, so stateless `asample` calls do not reread the checkpoint each time."""
+        with self._lock:
+            client = self._by_path.pop(model_path, None)
+        if client is None:
+            client = self.service.create_sampling_client(model_path=model_path)
+        with self._lock:
+            self._by_path[model_path] = client  # most recent last
+            while len(self._by_path) > self.max_samplers:
+                self._by_path.pop(next(iter(self._by_path)))
+        return client
+
+    def sampler(self, tenant: str, sampler_id: str) -> Sampler:
+        """The tenant's sampling session."""
+        with self._lock:
+            s = self._samplers.get(sampler_id)
+        if s is None or s.tenant != tenant:
+            raise NotFound(f"sampler {sampler_id!r} not found")
+        return s
+
+    def join_sampler(self, tenant: str, sampler_id: str) -> int:
+        """A fresh clone number for one more client of a sampling session."""
+        s = self.sampler(tenant, sampler_id)
+        with self._lock:
+            s.clones += 1
+            return s.clones
+
+    # ---- REST listings (the tenant's own runs only) ----
+    def list_runs(self, tenant: str, limit: int, offset: int):
+        """The tenant's training runs, newest first."""
+        from dsv4flash.service.types import Cursor, TrainingRunsResponse
+
+        runs = [self.rest.get_training_run(r).result() for r in sorted(self.owners.runs_of(tenant))
+                if self._exists(r)]
+        runs.sort(key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
+        return TrainingRunsResponse(runs[offset:offset + limit], Cursor(offset, limit, len(runs)))
+
+    def list_user_checkpoints(self, tenant: str, limit: int, offset: int):
+        """Every checkpoint of the tenant's runs, newest first."""
+        from dsv4flash.service.types import CheckpointsListResponse, Cursor
+
+        every = [c for r in sorted(self.owners.runs_of(tenant)) if self._exists(r)
+                 for c in self.rest.list_checkpoints(r).result().checkpoints]
+        every.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)
+        return CheckpointsListResponse(every[offset:offset + limit], Cursor(offset, limit, len(every)))
+
+    def _exists(self, run: str) -> bool:
+        return run in set(self.service.store.catalog.list_policies())
+
+    def close(self) -> None:
+        """Stop the worker pool (queued core work still finishes on its own threads)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Gone(Exception):
+    """A finished session or an expired operation (HTTP 410)."""

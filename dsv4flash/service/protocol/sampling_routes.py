@@ -1,0 +1,74 @@
+"""Sampling of the Tinker protocol: sampling sessions, sampler info, asample (session, checkpoint path or base)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from dsv4flash.service.plane.policy_server import BadRequest
+from dsv4flash.service.protocol import convert
+from dsv4flash.service.protocol.http import (future_response, guarded, model_json, parse, plane_of,
+                                             tenant_of, tinker_types)
+
+
+async def create_sampling_session(request: Request) -> Response:
+    tenant = tenant_of(request)
+    req = await parse(request, tinker_types().CreateSamplingSessionRequest)
+    plane = plane_of(request)
+    sid = await asyncio.to_thread(plane.create_sampler, tenant, req.session_id, req.model_path, req.base_model)
+    return model_json(tinker_types().CreateSamplingSessionResponse(sampling_session_id=sid))
+
+
+async def join_sampling_session(request: Request) -> Response:
+    tenant = tenant_of(request)
+    req = await parse(request, tinker_types().JoinSamplingSessionRequest)
+    n = plane_of(request).join_sampler(tenant, req.sampling_session_id)
+    return model_json(tinker_types().JoinSamplingSessionResponse(client_counter=n))
+
+
+async def get_sampler(request: Request) -> Response:
+    tenant = tenant_of(request)
+    plane = plane_of(request)
+    s = plane.sampler(tenant, request.path_params["sampler_id"])
+    return model_json(tinker_types().GetSamplerResponse(
+        sampler_id=s.sampler_id, base_model=plane.service.base.base_model, model_path=s.model_path))
+
+
+_UNSUPPORTED_SAMPLE = {"topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "target_prompt_logprobs": None,
+                       "prompt_alt_tokens_k": 0, "prompt_logprobs_last_n": None}
+
+
+async def asample(request: Request) -> Response:
+    tenant = tenant_of(request)
+    req = await parse(request, tinker_types().SampleRequest)
+    plane = plane_of(request)
+    for name, default in _UNSUPPORTED_SAMPLE.items():
+        if getattr(req, name) != default:
+            raise BadRequest(f"{name}: not supported by this server (leave it at {default!r})")
+    if req.sampling_session_id is not None:
+        client = plane.sampler(tenant, req.sampling_session_id).client
+    else:  # stateless: a checkpoint path, or the bare base
+        if req.model_path is not None:
+            plane.require_readable(tenant, req.model_path)
+        client = await asyncio.to_thread(plane.path_sampler, req.model_path)
+    if req.num_samples < 1:
+        raise BadRequest(f"num_samples: must be at least 1, got {req.num_samples}")
+    prompt = convert.tokens_of(req.prompt, "prompt")
+    params = convert.sampling_params(req.sampling_params)
+    from dsv4flash.service.types import ModelInput
+
+    rid = plane.submit(tenant, "sample", lambda: client.sample(ModelInput.from_ints(prompt), req.num_samples, params,
+                                                               include_prompt_logprobs=bool(req.prompt_logprobs)),
+                       convert.sample_result)
+    return future_response(rid, sample_sequence_ids=[f"{rid}:{i}" for i in range(req.num_samples)])
+
+
+ROUTES = [
+    Route("/api/v1/create_sampling_session", guarded(create_sampling_session), methods=["POST"]),
+    Route("/api/v1/join_sampling_session", guarded(join_sampling_session), methods=["POST"]),
+    Route("/api/v1/samplers/{sampler_id}", guarded(get_sampler), methods=["GET"]),
+    Route("/api/v1/asample", guarded(asample), methods=["POST"]),
+]
