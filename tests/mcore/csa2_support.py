@@ -85,3 +85,20 @@ def save_reference_expectation(path, ids_seed: int, probe_seed: int) -> None:
         if all(p is not None for p in parts):
             grads[pair.megatron] = torch.cat(parts) if len(parts) > 1 else parts[0]
     torch.save({"ids": ids, "weights": weights, "logits": logits.detach(), "grads": grads}, path)
+
+
+def pack(seqs, pads, pad_ids):
+    """THD batch [1, T]: ids, per-sequence positions, PackedSeqParams and each sequence's slot start."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    ids, pos, cu, cu_pad = [], [], [0], [0]
+    for seq, pad, fill in zip(seqs, pads, pad_ids):
+        ids += [seq, fill[:pad]]
+        pos += [torch.arange(len(seq)), torch.zeros(pad, dtype=torch.long)]
+        cu.append(cu[-1] + len(seq))
+        cu_pad.append(cu_pad[-1] + len(seq) + pad)
+    cu_t, cu_pad_t = torch.tensor(cu, dtype=torch.int32), torch.tensor(cu_pad, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, cu_seqlens_q_padded=cu_pad_t,
+                             cu_seqlens_kv_padded=cu_pad_t, max_seqlen_q=max(len(s) for s in seqs),
+                             max_seqlen_kv=max(len(s) for s in seqs))
+    return torch.cat(ids)[None], torch.cat(pos)[None], params, cu_pad[:-1]

@@ -97,11 +97,13 @@ def _reference_grads(ref):
 
 
 def test_zigzag_spans_and_halo_sources():
-    from dsv4flash.integrations.mcore.csa2.layout import CPSpans
+    from dsv4flash.integrations.mcore.csa2.context_parallel import CPSpans, HaloPlan
 
     spans = [CPSpans.build("zigzag", 2, r, 18) for r in range(2)]
     assert spans[0].positions().tolist() == list(range(9)) + list(range(27, 36))
     assert spans[1].positions().tolist() == list(range(9, 27))
-    assert spans[0].span_ending_at(27) == (1, 1) and spans[1].span_ending_at(9) == (0, 0)
+    # Halo of 3: rank 0's span at 27 reads 24..26 (rank 1); rank 1's span at 9 reads 6..8 (rank 0).
+    assert HaloPlan.build(spans[0], 3).ext_positions.tolist() == list(range(9)) + list(range(24, 36))
+    assert HaloPlan.build(spans[1], 3).ext_positions.tolist() == list(range(6, 27))
     with pytest.raises(ValueError, match="even local length"):
         CPSpans.build("zigzag", 2, 0, 17)

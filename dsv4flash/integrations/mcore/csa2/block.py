@@ -54,13 +54,22 @@ class CSA2TransformerBlock(TransformerBlock):
         return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
     # ---- micro-batch bookkeeping ------------------------------------------------------------------
-    def cp_spans(self, local_len: int) -> Optional[CPSpans]:
-        """The context-parallel split of this micro-batch's sequence, or None without context parallelism."""
+    def cp_spans(self, local_len: int, packed_seq_params: Any = None) -> Optional[CPSpans]:
+        """The context-parallel split of this micro-batch's tokens, or None without context parallelism.
+
+        A THD-packed micro-batch is split per document ('zigzag', megatron-core's `get_batch_on_this_cp_rank`
+        with `cu_seqlens`) or as one packed row ('contiguous'); `packed_seq_params` describes the global row.
+        """
         group = getattr(self.pg_collection, "cp", None)
         if group is None or torch.distributed.get_world_size(group) == 1:
             return None
-        return CPSpans.build(self.config.cp_layout, torch.distributed.get_world_size(group),
-                             torch.distributed.get_rank(group), local_len, group)
+        size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        if packed_seq_params is None:
+            return CPSpans.build(self.config.cp_layout, size, rank, local_len, group)
+        bounds = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+        if bounds is None:
+            bounds = packed_seq_params.cu_seqlens_q
+        return CPSpans.build_packed(self.config.cp_layout, size, rank, local_len, bounds.tolist(), group)
 
     def build_tokens(self, hidden_states: torch.Tensor, *, packed_seq_params: Any = None,
                      padding_mask: Optional[torch.Tensor] = None, image_mask: Optional[torch.Tensor] = None,
@@ -68,7 +77,8 @@ class CSA2TransformerBlock(TransformerBlock):
         """Layout + constants for a micro-batch whose embeddings are `hidden_states` [s, b, h]."""
         seq_len, batch = hidden_states.shape[:2]
         layout = build_layout(batch, seq_len, self.ratios, halo_width=self.halo_width, padding_mask=padding_mask,
-                              packed_seq_params=packed_seq_params, cp=self.cp_spans(seq_len),
+                              packed_seq_params=packed_seq_params,
+                              cp=self.cp_spans(seq_len, packed_seq_params),
                               device=hidden_states.device)
         if padding_mask is None and not bool(layout.valid.all()):
             # Padding slots of a packed batch: the MoE router must see them as padding too.

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from dsv4flash.config import DSV41FlashConfig, load_config
+from dsv4flash.integrations.mcore.csa2.context_parallel import CP_LAYOUTS
 
 __all__ = ["CSA2TransformerConfig", "transformer_config_from", "CP_LAYOUTS"]
 
-CP_LAYOUTS = ("zigzag", "contiguous")
 # Selective recompute targets the CSA2 stack implements (MoELayer handles the MoE ones itself).
 _SELECTIVE_OK = {"core_attn", "moe", "moe_act", "shared_experts"}
 
@@ -34,7 +34,8 @@ class CSA2TransformerConfig(TransformerConfig):
 
     cp_layout: str = "zigzag"
     """Sequence split over context-parallel ranks: 'zigzag' (2·cp chunks, megatron-core's
-    `get_batch_on_this_cp_rank`) or 'contiguous' (one chunk per rank)."""
+    `get_batch_on_this_cp_rank`; for THD-packed batches per document, as TE's `thd_get_partitioned_indices`)
+    or 'contiguous' (one chunk per rank of the row, or of the packed row)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
