@@ -102,3 +102,24 @@ def pack(seqs, pads, pad_ids):
                              cu_seqlens_kv_padded=cu_pad_t, max_seqlen_q=max(len(s) for s in seqs),
                              max_seqlen_kv=max(len(s) for s in seqs))
     return torch.cat(ids)[None], torch.cat(pos)[None], params, cu_pad[:-1]
+
+
+def tiny_with_flash_plan():
+    """Tiny widths with the release's 40-layer plan: kv sources 2/8/14/20, index sources every 4 layers
+    from 20, the candidate source at 20 (first decoder layer), Engram at layers 1 and 14."""
+    from dsv4flash.config import _derive_engram_layouts, load_config
+
+    flash = load_config("flash").text
+    n = flash.num_hidden_layers
+    cfg = load_config("tiny").replace_text(
+        num_hidden_layers=n, compress_ratios=flash.compress_ratios[:n], engram_layer_ids=flash.engram_layer_ids,
+        kv_source_layer_ids=flash.kv_source_layer_ids, index_source_layer_ids=flash.index_source_layer_ids,
+        candidate_source_layer_id=flash.candidate_source_layer_id)
+    return cfg.replace_text(engram_num_embeddings=tuple(t.num_rows for t in _derive_engram_layouts(cfg.text)))
+
+
+def reference_model(cfg, seed: int = 0):
+    """The reference model (fp32) of any V4.1 config."""
+    from dsv4flash.model.transformer import Transformer
+
+    return Transformer(cfg, seed=seed)

@@ -62,8 +62,18 @@ class CSA2TransformerConfig(TransformerConfig):
             raise ValueError("CSA2TransformerConfig.sequence_parallel is not supported by the CSA2 stack "
                              "(the shared CSA2 state is per sequence, not per sequence shard)")
         if self.pipeline_model_parallel_size > 1:
-            raise ValueError("CSA2TransformerConfig.pipeline_model_parallel_size must be 1: megatron-core 0.19 "
-                             "pipeline p2p ships only hidden_states, not the CSA2 state (architecture.md §13)")
+            # Stages exchange one fp32 payload of variable size (streams + CSA2 state, pipeline_payload.py).
+            if not self.variable_seq_lengths:
+                raise ValueError("CSA2TransformerConfig.variable_seq_lengths must be True with "
+                                 "pipeline_model_parallel_size > 1: the CSA2 stage payload (streams + cross-layer "
+                                 "state) is not [s, b, hidden_size], so its shape is exchanged per micro-batch")
+            if self.pipeline_dtype != torch.float32:
+                raise ValueError(f"CSA2TransformerConfig.pipeline_dtype must be torch.float32 with "
+                                 f"pipeline_model_parallel_size > 1 (the CSA2 stage payload is fp32: it carries "
+                                 f"fp32 pre_mix and integer top-k exactly), got {self.pipeline_dtype}")
+            if self.virtual_pipeline_model_parallel_size is not None:
+                raise ValueError("CSA2TransformerConfig.virtual_pipeline_model_parallel_size must be None: the "
+                                 "CSA2 stack runs the non-interleaved 1F1B schedule")
         if self.cuda_graph_impl != "none":
             raise ValueError("CSA2TransformerConfig.cuda_graph_impl must be 'none' (CSA2 state shapes vary "
                              "with packing)")
