@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.mcore import csa2_support as sup
+from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
 pytestmark = [pytest.mark.upstream, pytest.mark.parity]
@@ -63,7 +64,11 @@ def _cp_rank(rank: int, world_size: int, layout_name: str, recompute: str, expec
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("layout_name, recompute", [("zigzag", "none"), ("contiguous", "full")])
+@pytest.mark.parametrize("layout_name, recompute", [
+    pytest.param("zigzag", "none", id="zigzag", marks=LAYOUT(cp=2, check="zigzag: logits, gradients summed over "
+                                                                    "ranks, one owner per KV block")),
+    pytest.param("contiguous", "full", id="contiguous", marks=LAYOUT(cp=2, recompute="full", check="contiguous: same")),
+])
 def test_two_rank_context_parallel_equals_single_device(layout_name, recompute, tmp_path):
     with sup.single_thread():
         _spawn_against_reference(layout_name, recompute, tmp_path)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.mcore import csa2_support as sup
+from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
 pytestmark = [pytest.mark.upstream, pytest.mark.parity]
@@ -27,6 +28,8 @@ def mcore():
         yield
 
 
+@LAYOUT(packed=True, recompute="full", check="THD batch vs each sequence alone: logits, every gradient; padding "
+        "never read")
 def test_packed_sequences_equal_each_sequence_alone(mcore):
     ref = sup.reference(seed=0)
     gen = torch.Generator().manual_seed(21)

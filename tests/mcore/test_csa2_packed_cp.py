@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.mcore import csa2_support as sup
+from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
 pytestmark = [pytest.mark.upstream, pytest.mark.parity]
@@ -80,7 +81,13 @@ def _packed_cp_rank(rank: int, world_size: int, layout_name: str, recompute: str
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("layout_name, recompute", [("zigzag", "none"), ("contiguous", "full")])
+@pytest.mark.parametrize("layout_name, recompute", [
+    pytest.param("zigzag", "none", id="zigzag", marks=LAYOUT(
+        cp=2, packed=True, check="per-document zigzag vs each sequence alone: per-token loss, summed loss, "
+        "gradients; one owner per KV block; padding never in a group or a gradient")),
+    pytest.param("contiguous", "full", id="contiguous", marks=LAYOUT(
+        cp=2, packed=True, recompute="full", check="packed row split contiguously: same")),
+])
 def test_packed_context_parallel_equals_each_sequence_alone(layout_name, recompute, tmp_path):
     with sup.single_thread():
         ref = sup.reference(seed=0)

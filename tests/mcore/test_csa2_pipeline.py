@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.mcore import csa2_support as sup
+from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
 pytestmark = [pytest.mark.upstream, pytest.mark.parity]
@@ -164,7 +165,12 @@ def _pp_rank(rank: int, world_size: int, recompute: str, expected_path: str) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size, recompute", [(2, "full"), (4, "none")])
+@pytest.mark.parametrize("world_size, recompute", [
+    pytest.param(2, "full", id="pp2", marks=LAYOUT(pp=2, recompute="full", check="40-layer plan, decoder-half LoRA, "
+                                                   "early stop: losses and adapter gradients bit-identical to PP = 1")),
+    pytest.param(4, "none", id="pp4", marks=LAYOUT(pp=4, check="same; frozen stage 1 skips its backward and all "
+                                                   "gradient traffic below stage 2")),
+])
 def test_pipeline_stages_equal_one_stage_with_early_stop(world_size, recompute, tmp_path):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
