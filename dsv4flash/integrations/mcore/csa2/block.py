@@ -109,10 +109,6 @@ class CSA2TransformerBlock(TransformerBlock):
             raise NotImplementedError("CSA2TransformerBlock does not extract intermediate hidden states")
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("CSA2TransformerBlock has no inference (KV-cache) path; serve with vLLM")
-        if self.training and self.config.tensor_model_parallel_size > 1:
-            raise ValueError("CSA2TransformerConfig.tensor_model_parallel_size > 1 is supported for evaluation only: "
-                             "megatron-core 0.19's MoELayer needs sequence_parallel in training, which the CSA2 "
-                             "stack does not implement (its state is per sequence); train with TP = 1")
         if self.pre_process:
             tokens = csa2_tokens if csa2_tokens is not None else self.build_tokens(
                 hidden_states, packed_seq_params=packed_seq_params, padding_mask=padding_mask)
