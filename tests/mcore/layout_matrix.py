@@ -2,7 +2,8 @@
 
 A test (or one parametrization of it) that verifies a parallel layout carries
 `pytest.mark.layout(tp=, pp=, cp=, ep=, packed=, recompute=, offload=, check=)`; a test that checks a
-refusal carries `status="refused", key=<the config key the error names>, reason=<why>`. `collect()` reads
+refusal carries `status="refused", key=<the config key the error names>, reason=<why>`; a `gpu`-marked
+test carries `status="gpu"` (it runs on CUDA machines only, so the table does not count it as tested here). `collect()` reads
 the marks off the test modules, `render()` writes the table, and `test_layout_matrix.py` fails when the
 table in docs/megatron.md differs from it. Regenerate with
 
@@ -24,7 +25,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "megatron.md"
 BEGIN, END = "<!-- layout-matrix:begin (generated: python tests/mcore/layout_matrix.py --write) -->", \
     "<!-- layout-matrix:end -->"
 MODULES = ("test_csa2_parity", "test_csa2_recompute", "test_csa2_packed", "test_csa2_cp", "test_csa2_packed_cp",
-           "test_csa2_ep", "test_csa2_ep_modality", "test_csa2_tp", "test_csa2_pipeline", "test_layout_matrix")
+           "test_csa2_ep", "test_csa2_ep_modality", "test_csa2_tp", "test_csa2_pipeline", "test_csa2_resume_layout",
+           "test_csa2_gpu", "test_layout_matrix")
 AXES = dict(tp=(1, 2), pp=(1, 2, 4), cp=(1, 2), ep=(1, 2), packed=(False, True), recompute=("none", "full"),
             offload=(False, True))
 
@@ -40,7 +42,7 @@ class Row:
     packed: bool
     recompute: str
     offload: bool
-    status: str  # "equal" | "refused"
+    status: str  # "equal" | "gpu" (a `gpu` test: equality checked on a CUDA machine only) | "refused"
     check: str  # what is compared / the refusal reason
     test: str
 
@@ -53,7 +55,7 @@ class Row:
 def _row(mark, test: str) -> Row:
     kw = dict(mark.kwargs)
     status = kw.pop("status", "equal")
-    check = kw.pop("check", "") if status == "equal" else f"`{kw.pop('key')}`: {kw.pop('reason')}"
+    check = f"`{kw.pop('key')}`: {kw.pop('reason')}" if status == "refused" else kw.pop("check", "")
     axes = {name: kw.pop(name, values[0]) for name, values in AXES.items()}
     if kw:
         raise ValueError(f"{test}: unknown layout mark fields {sorted(kw)}")
@@ -77,7 +79,8 @@ def collect() -> list[Row]:
                         for inner in getattr(value, "marks", ()):
                             if inner.name == "layout":
                                 rows.append(_row(inner, f"`{test}[{value.id}]`"))
-    return sorted(rows, key=lambda r: (r.status != "equal", r.axes(), r.recompute, r.test))
+    order = {"equal": 0, "gpu": 1, "refused": 2}
+    return sorted(rows, key=lambda r: (order[r.status], r.axes(), r.recompute, r.test))
 
 
 def render(rows: list[Row]) -> str:
@@ -86,15 +89,15 @@ def render(rows: list[Row]) -> str:
     lines = ["| TP | PP | CP | EP | packed | recompute | offload | status | what is checked / why refused | test |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        status = "**tested equal**" if r.status == "equal" else "refused"
+        status = {"equal": "**tested equal**", "gpu": "`gpu` test (CUDA only)", "refused": "refused"}[r.status]
         lines.append(f"| {r.tp} | {r.pp} | {r.cp} | {r.ep} | {yes(r.packed)} | {r.recompute} | {yes(r.offload)} | "
                      f"{status} | {r.check} | {r.test} |")
     equal = {r.axes() for r in rows if r.status == "equal"}
     space = list(itertools.product(*AXES.values()))
     rest = len(space) - len(equal)
     lines += ["", f"Of the {len(space)} combinations of TP ∈ {{1, 2}}, PP ∈ {{1, 2, 4}}, CP ∈ {{1, 2}}, EP ∈ {{1, 2}}, "
-              f"packed, recompute ∈ {{none, full}} and optimizer CPU offload, {len(equal)} are tested equal above; "
-              f"the other {rest} are accepted by the config (given the settings the refused rows name) but **not "
+              f"packed, recompute ∈ {{none, full}} and optimizer CPU offload, {len(equal)} are tested equal above "
+              f"on CPU; the other {rest} (the `gpu` rows included) are accepted by the config (given the settings the refused rows name) but **not "
               "tested together** — no claim is made for them."]
     return "\n".join(lines)
 
