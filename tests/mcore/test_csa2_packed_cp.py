@@ -34,8 +34,7 @@ def _packed_cp_rank(rank: int, world_size: int, layout_name: str, recompute: str
     torch.set_num_threads(1)  # two ranks on a 2-core machine
     expected = torch.load(expected_path)
     ids, pos, labels, real_all = expected["ids"], expected["pos"], expected["labels"], expected["real"]
-    _, _, params, _ = sup.pack(*[[torch.zeros(n, dtype=torch.long) for n in LENGTHS], PADS,
-                                 [torch.zeros(8, dtype=torch.long)] * len(LENGTHS)])  # same cu_seqlens
+    params = packed_params()
     ref = sup.reference(seed=0)
     parallel_state.initialize_model_parallel(context_parallel_size=world_size)
     try:
@@ -90,27 +89,39 @@ def _packed_cp_rank(rank: int, world_size: int, layout_name: str, recompute: str
 ])
 def test_packed_context_parallel_equals_each_sequence_alone(layout_name, recompute, tmp_path):
     with sup.single_thread():
-        ref = sup.reference(seed=0)
-        gen = torch.Generator().manual_seed(51)
-        seqs = [torch.randint(0, sup.VOCAB, (n,), generator=gen) for n in LENGTHS]
-        targets = [torch.randint(0, sup.VOCAB, (n,), generator=gen) for n in LENGTHS]
-        pad_ids = [torch.randint(0, sup.VOCAB, (8,), generator=gen) for _ in LENGTHS]
-        ids, pos, params, starts = sup.pack(seqs, PADS, pad_ids)
-        total, token_loss = 0.0, torch.zeros(ids.shape[1])
-        labels = torch.zeros_like(ids)
-        real = torch.zeros(ids.shape[1], dtype=torch.bool)
-        for seq, target, start in zip(seqs, targets, starts):  # the oracle: each sequence alone
-            per_token = F.cross_entropy(ref(seq[None])[0], target, reduction="none")
-            per_token.sum().backward()
-            token_loss[start:start + len(seq)] = per_token.detach()
-            labels[0, start:start + len(seq)] = target
-            real[start:start + len(seq)] = True
-            total = total + float(per_token.detach().sum())
-        grads = {name: want for name, want, _ in _reference_grads(ref) if want is not None}
-        path = tmp_path / "expected.pt"
-        torch.save({"ids": ids, "pos": pos, "labels": labels, "real": real,
-                    "token_loss": token_loss, "loss": torch.tensor(total), "grads": grads}, path)
+        path = save_packed_oracle(tmp_path)
         parallel.spawn_gloo(_packed_cp_rank, 2, layout_name, recompute, str(path))
+
+
+def save_packed_oracle(tmp_path):
+    """Run each packed sequence alone through the reference; save ids, labels, per-token losses, grads."""
+    ref = sup.reference(seed=0)
+    gen = torch.Generator().manual_seed(51)
+    seqs = [torch.randint(0, sup.VOCAB, (n,), generator=gen) for n in LENGTHS]
+    targets = [torch.randint(0, sup.VOCAB, (n,), generator=gen) for n in LENGTHS]
+    pad_ids = [torch.randint(0, sup.VOCAB, (8,), generator=gen) for _ in LENGTHS]
+    ids, pos, params, starts = sup.pack(seqs, PADS, pad_ids)
+    total, token_loss = 0.0, torch.zeros(ids.shape[1])
+    labels = torch.zeros_like(ids)
+    real = torch.zeros(ids.shape[1], dtype=torch.bool)
+    for seq, target, start in zip(seqs, targets, starts):  # the oracle: each sequence alone
+        per_token = F.cross_entropy(ref(seq[None])[0], target, reduction="none")
+        per_token.sum().backward()
+        token_loss[start:start + len(seq)] = per_token.detach()
+        labels[0, start:start + len(seq)] = target
+        real[start:start + len(seq)] = True
+        total = total + float(per_token.detach().sum())
+    grads = {name: want for name, want, _ in _reference_grads(ref) if want is not None}
+    path = tmp_path / "expected.pt"
+    torch.save({"ids": ids, "pos": pos, "labels": labels, "real": real, "token_loss": token_loss,
+                "loss": torch.tensor(total), "grads": grads}, path)
+    return path
+
+
+def packed_params():
+    """The PackedSeqParams of the oracle's packing (global cu_seqlens, as every CP rank receives them)."""
+    return sup.pack([torch.zeros(n, dtype=torch.long) for n in LENGTHS], PADS,
+                    [torch.zeros(8, dtype=torch.long)] * len(LENGTHS))[2]
 
 
 def _reference_grads(ref):
