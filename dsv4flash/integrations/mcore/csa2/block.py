@@ -28,6 +28,7 @@ from dsv4flash.integrations.mcore.csa2.hyper_connection import pack_streams, unp
 from dsv4flash.integrations.mcore.csa2.layout import CPSpans, build_layout
 from dsv4flash.integrations.mcore.csa2.pipeline_payload import decode as decode_payload
 from dsv4flash.integrations.mcore.csa2.pipeline_payload import encode as encode_payload
+from dsv4flash.integrations.mcore.pipeline import stage_is_trainable
 from dsv4flash.model.hyper_connection import collapse
 
 __all__ = ["CSA2TransformerBlock"]
@@ -125,7 +126,7 @@ class CSA2TransformerBlock(TransformerBlock):
             streams, ctx = decode_payload(payload, csa2_tokens)
         recompute = self.config.recompute_granularity == "full" and self.training
         if (recompute and torch.is_grad_enabled() and not streams.requires_grad
-                and any(p.requires_grad for p in self.parameters())):
+                and stage_is_trainable([self])):
             # A frozen embedding (or a stage input detached by the pipeline early stop) would leave every
             # checkpointed chunk without a grad input, and trainable layers inside (LoRA) would get no
             # gradient; the same fix Megatron-Bridge applies (P16). A stage with nothing trainable keeps
