@@ -153,7 +153,7 @@ def _pp_rank(rank: int, world_size: int, recompute: str, expected_path: str) -> 
 
         layers = len(model.decoder.layers) * MICROBATCHES
         if rank < k:  # nothing trainable here or upstream: no backward, no gradient traffic
-            assert backwards == 0 and stats.grads_sent == stats.grads_received == 0
+            assert backwards == 0 and stats.grads_sent == stats.grads_received == 0 == stats.grad_bytes_sent
             assert stats.receives_skipped == MICROBATCHES
             # Stock: a frozen stage whose input came from another stage backprops through all its layers.
             assert stock_backwards == (layers if rank > 0 else 0)
@@ -161,7 +161,12 @@ def _pp_rank(rank: int, world_size: int, recompute: str, expected_path: str) -> 
             assert backwards == stock_backwards == layers
             assert stats.grads_sent == (MICROBATCHES if rank > k else 0)
             assert stock_stats.grads_sent == MICROBATCHES
+            # Stage k sends nothing upstream: every payload gradient the stock run ships from it is saved.
+            assert stats.grad_bytes_sent == (stock_stats.grad_bytes_sent if rank > k else 0)
+        if rank > 0:  # stock: one gradient of the whole payload (streams + pre_mix + CSA2 state) per micro-batch
+            assert stock_stats.grad_bytes_sent > 0
         assert stats.forward_sent == stock_stats.forward_sent
+        assert stats.forward_bytes_sent == stock_stats.forward_bytes_sent
 
 
 @pytest.mark.slow
