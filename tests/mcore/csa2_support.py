@@ -68,23 +68,28 @@ def assert_grads_match(ref, model, rel: float = 2e-4, reduce=None) -> int:
     return checked
 
 
-def save_reference_expectation(path, ids_seed: int, probe_seed: int) -> None:
-    """Run the single-device reference on [2, 32] tokens with a probe loss and save what the ranks compare to:
-    ids, probe weights, logits and every gradient under its Megatron parameter name."""
+def reference_grads(ref) -> dict[str, torch.Tensor]:
+    """Every reference gradient in Megatron layout under its Megatron name (tensors without one left out)."""
     from dsv4flash.integrations.mcore.csa2 import name_map
 
-    ref = reference(seed=0)
-    ids = token_ids(2, 32, seed=ids_seed)
-    weights = probe((2, 32, VOCAB), seed=probe_seed)
-    logits = ref(ids)
-    (logits * weights).sum().backward()
     params = dict(ref.named_parameters())
     grads = {}
     for pair in name_map(ref.cfg):
         parts = [params[n].grad if n in params else None for n in pair.reference]
         if all(p is not None for p in parts):
             grads[pair.megatron] = torch.cat(parts) if len(parts) > 1 else parts[0]
-    torch.save({"ids": ids, "weights": weights, "logits": logits.detach(), "grads": grads}, path)
+    return grads
+
+
+def save_reference_expectation(path, ids_seed: int, probe_seed: int) -> None:
+    """Run the single-device reference on [2, 32] tokens with a probe loss and save what the ranks compare to:
+    ids, probe weights, logits and every gradient under its Megatron parameter name."""
+    ref = reference(seed=0)
+    ids = token_ids(2, 32, seed=ids_seed)
+    weights = probe((2, 32, VOCAB), seed=probe_seed)
+    logits = ref(ids)
+    (logits * weights).sum().backward()
+    torch.save({"ids": ids, "weights": weights, "logits": logits.detach(), "grads": reference_grads(ref)}, path)
 
 
 def pack(seqs, pads, pad_ids):

@@ -80,25 +80,10 @@ def _spawn_against_reference(layout_name, recompute, tmp_path):
     weights = sup.probe((2, SEQ, sup.VOCAB), seed=42)
     logits = ref(ids)
     (logits * weights).sum().backward()
-    grads = {name: expected for name, expected, _ in _reference_grads(ref) if expected is not None}
+    grads = sup.reference_grads(ref)
     path = tmp_path / "expected.pt"  # ranks start from a fork server: hand them plain data and a file
     torch.save({"ids": ids, "weights": weights, "logits": logits.detach(), "grads": grads}, path)
     parallel.spawn_gloo(_cp_rank, 2, layout_name, recompute, str(path))
-
-
-def _reference_grads(ref):
-    """(Megatron name, reference grad in Megatron layout, None) without building a Megatron model."""
-    from dsv4flash.integrations.mcore.csa2 import name_map
-
-    params = dict(ref.named_parameters())
-    for pair in name_map(ref.cfg):
-        if pair.megatron.endswith("expert_bias"):
-            continue
-        parts = [params[n].grad for n in pair.reference]
-        if any(p is None for p in parts):
-            yield pair.megatron, None, None
-        else:
-            yield pair.megatron, torch.cat(parts) if len(parts) > 1 else parts[0], None
 
 
 def test_zigzag_spans_and_halo_sources():

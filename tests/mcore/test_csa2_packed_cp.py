@@ -111,7 +111,7 @@ def save_packed_oracle(tmp_path):
         labels[0, start:start + len(seq)] = target
         real[start:start + len(seq)] = True
         total = total + float(per_token.detach().sum())
-    grads = {name: want for name, want, _ in _reference_grads(ref) if want is not None}
+    grads = sup.reference_grads(ref)
     path = tmp_path / "expected.pt"
     torch.save({"ids": ids, "pos": pos, "labels": labels, "real": real, "token_loss": token_loss,
                 "loss": torch.tensor(total), "grads": grads}, path)
@@ -122,18 +122,6 @@ def packed_params():
     """The PackedSeqParams of the oracle's packing (global cu_seqlens, as every CP rank receives them)."""
     return sup.pack([torch.zeros(n, dtype=torch.long) for n in LENGTHS], PADS,
                     [torch.zeros(8, dtype=torch.long)] * len(LENGTHS))[2]
-
-
-def _reference_grads(ref):
-    """(Megatron name, reference grad in Megatron layout, None) without building a Megatron model."""
-    from dsv4flash.integrations.mcore.csa2 import name_map
-
-    params = dict(ref.named_parameters())
-    for pair in name_map(ref.cfg):
-        parts = [params[n].grad for n in pair.reference if n in params]
-        if len(parts) != len(pair.reference) or any(p is None for p in parts):
-            continue
-        yield pair.megatron, torch.cat(parts) if len(parts) > 1 else parts[0], None
 
 
 def test_per_document_zigzag_split_and_multi_rank_halo():

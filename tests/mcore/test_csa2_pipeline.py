@@ -21,6 +21,7 @@ import zlib
 import pytest
 import torch
 
+from dsv4flash.integrations.mcore.csa2.weights import global_name
 from tests.mcore import csa2_support as sup
 from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
@@ -55,19 +56,11 @@ def _model(recompute: str):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".adapter." in name:  # the same values at every layout: seeded by the global name
-                gen = torch.Generator().manual_seed(zlib.crc32(_global_name(name, model).encode()))
+                gen = torch.Generator().manual_seed(zlib.crc32(global_name(name, model).encode()))
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
     return model.train()
 
 
-def _global_name(name: str, model) -> str:
-    """A stage-local parameter name with the layer index of the whole stack."""
-    layers = model.decoder.layers
-    first = layers[0].layer_number - 1 if len(layers) else 0
-    if not name.startswith("decoder.layers."):
-        return name
-    index, _, rest = name[len("decoder.layers."):].partition(".")
-    return f"decoder.layers.{int(index) + first}.{rest}"
 
 
 def _layer_of(name: str) -> int:
@@ -107,7 +100,7 @@ def _count_layer_backwards(model) -> list[int]:
 
 
 def _adapter_grads(model) -> dict[str, torch.Tensor]:
-    return {_global_name(n, model): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {global_name(n, model): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _pp_rank(rank: int, world_size: int, recompute: str, expected_path: str) -> None:

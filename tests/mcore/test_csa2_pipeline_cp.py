@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsv4flash.integrations.mcore.csa2.weights import global_name
 from tests.mcore import csa2_support as sup
 from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore.test_csa2_packed_cp import packed_params, save_packed_oracle
@@ -21,12 +22,6 @@ from tests.mcore_cpu import parallel
 pytestmark = [pytest.mark.upstream, pytest.mark.parity]
 
 
-def _global_name(name: str, model) -> str:
-    first = model.decoder.layers[0].layer_number - 1
-    if not name.startswith("decoder.layers."):
-        return name
-    index, _, rest = name[len("decoder.layers."):].partition(".")
-    return f"decoder.layers.{int(index) + first}.{rest}"
 
 
 def _pp_cp_rank(rank: int, world_size: int, recompute: str, expected_path: str) -> None:
@@ -71,7 +66,7 @@ def _pp_cp_rank(rank: int, world_size: int, recompute: str, expected_path: str) 
         cp_group = parallel_state.get_context_parallel_group()
         checked = 0
         for name, param in model.named_parameters():
-            want = expected["grads"].get(_global_name(name, model))
+            want = expected["grads"].get(global_name(name, model))
             if want is None:
                 continue
             # megatron-core's schedule scales the loss by the CP size and its DDP averages over dp × cp.

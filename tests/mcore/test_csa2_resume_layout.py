@@ -18,6 +18,7 @@ import zlib
 import pytest
 import torch
 
+from dsv4flash.integrations.mcore.csa2.weights import global_name
 from tests.mcore import csa2_support as sup
 from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
@@ -28,14 +29,6 @@ SEQ, MICROBATCHES, STEPS = 16, 2, 2
 TARGETS = ["linear_q_down", "linear_kv", "linear_proj", "linear_o_group_proj"]
 
 
-def _global_name(name: str, model) -> str:
-    layers = model.decoder.layers
-    first = layers[0].layer_number - 1 if len(layers) else 0
-    if ".decoder.layers." not in f".{name}":
-        return name
-    head, _, tail = name.partition("decoder.layers.")
-    index, _, rest = tail.partition(".")
-    return f"{head}decoder.layers.{int(index) + first}.{rest}"
 
 
 def _build(pipeline: bool):
@@ -57,7 +50,7 @@ def _build(pipeline: bool):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if ".adapter." in name:
-                gen = torch.Generator().manual_seed(zlib.crc32(_global_name(name, model).encode()))
+                gen = torch.Generator().manual_seed(zlib.crc32(global_name(name, model).encode()))
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, params_dtype=torch.float32), [ddp])
@@ -97,7 +90,7 @@ def _step(ddp, optimizer, step: int) -> list[float]:
 
 
 def _adapters(model) -> dict[str, torch.Tensor]:
-    return {_global_name(n, model): p.detach().clone() for n, p in model.named_parameters() if ".adapter." in n}
+    return {global_name(n, model): p.detach().clone() for n, p in model.named_parameters() if ".adapter." in n}
 
 
 def _sharded(ddp, optimizer, is_loading: bool = False):

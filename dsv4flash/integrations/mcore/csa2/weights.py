@@ -82,13 +82,18 @@ def _megatron_name(pair: NamePair, ep_rank: int, local_experts: int, names) -> s
     return f"{head}{tail}{local}"
 
 
+def _first_layer(model: torch.nn.Module) -> int:
+    """Global index of the stage's first layer (0 without pipeline parallelism)."""
+    layers = model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
 def _stage_name(name: str, model: torch.nn.Module) -> str | None:
     """A full-stack Megatron name on this pipeline stage (local layer index), or None if it lives elsewhere."""
     layers = model.decoder.layers
-    first = layers[0].layer_number - 1 if len(layers) else 0
     if name.startswith("decoder.layers."):
         index, _, rest = name[len("decoder.layers."):].partition(".")
-        local = int(index) - first
+        local = int(index) - _first_layer(model)
         return f"decoder.layers.{local}.{rest}" if 0 <= local < len(layers) else None
     if name.startswith("embedding.") and not getattr(model, "pre_process", True):
         return None
@@ -96,6 +101,16 @@ def _stage_name(name: str, model: torch.nn.Module) -> str | None:
             model, "post_process", True):
         return None
     return name
+
+
+def global_name(name: str, model: torch.nn.Module) -> str:
+    """A parameter name of this pipeline stage with the layer index of the whole stack (the names of
+    `name_map` and of distributed checkpoints); any prefix before `decoder.layers.` is kept."""
+    head, sep, tail = name.partition("decoder.layers.")
+    if not sep:
+        return name
+    index, _, rest = tail.partition(".")
+    return f"{head}decoder.layers.{int(index) + _first_layer(model)}.{rest}"
 
 
 @torch.no_grad()
