@@ -25,7 +25,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "megatron.md"
 BEGIN, END = "<!-- layout-matrix:begin (generated: python tests/mcore/layout_matrix.py --write) -->", \
     "<!-- layout-matrix:end -->"
 MODULES = ("test_csa2_parity", "test_csa2_recompute", "test_csa2_packed", "test_csa2_cp", "test_csa2_packed_cp",
-           "test_csa2_ep", "test_csa2_ep_modality", "test_csa2_tp", "test_csa2_tp_cp", "test_csa2_pipeline", "test_csa2_pipeline_cp", "test_csa2_study_layout", "test_csa2_resume_layout",
+           "test_csa2_ep", "test_csa2_ep_modality", "test_csa2_tp", "test_csa2_tp_cp", "test_csa2_pipeline", "test_csa2_pipeline_cp", "test_csa2_pipeline_ep", "test_csa2_study_layout", "test_csa2_resume_layout",
            "test_csa2_gpu", "test_layout_matrix")
 AXES = dict(tp=(1, 2), pp=(1, 2, 4), cp=(1, 2), ep=(1, 2), packed=(False, True), recompute=("none", "full"),
             offload=(False, True))
