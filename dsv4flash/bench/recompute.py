@@ -268,7 +268,8 @@ def run(args: argparse.Namespace) -> BenchReport:
         memory_ratio = none["peak"] / results[mode]["peak"]
         time_ratio = results[mode]["step"] / none["step"]
         met = memory_ratio >= MEMORY_TARGET and time_ratio <= TIME_TARGET
-        report.target(f"{notes[mode]}: peak activation memory {memory_ratio:.2f}× lower (target ≥ {MEMORY_TARGET}×), "
+        report.target(f"{notes[mode]}: peak activation memory {memory_ratio:.2f}× lower "
+                      f"(target ≥ {MEMORY_TARGET}×), "
                       f"step time {time_ratio:.2f}× (target ≤ {TIME_TARGET}×)", met)
     if args.plot:
         _plot(args.plot, results, notes, args)

@@ -22,11 +22,9 @@ import pytest
 
 LAYOUT = pytest.mark.layout
 DOC = Path(__file__).resolve().parents[2] / "docs" / "megatron.md"
-BEGIN, END = "<!-- layout-matrix:begin (generated: python tests/mcore/layout_matrix.py --write) -->", \
-    "<!-- layout-matrix:end -->"
-MODULES = ("test_csa2_parity", "test_csa2_recompute", "test_csa2_packed", "test_csa2_cp", "test_csa2_packed_cp",
-           "test_csa2_ep", "test_csa2_ep_modality", "test_csa2_tp", "test_csa2_tp_cp", "test_csa2_pipeline", "test_csa2_pipeline_cp", "test_csa2_pipeline_ep", "test_csa2_study_layout", "test_csa2_resume_layout",
-           "test_csa2_gpu", "test_layout_matrix")
+BEGIN = "<!-- layout-matrix:begin (generated: python tests/mcore/layout_matrix.py --write) -->"
+END = "<!-- layout-matrix:end -->"
+MODULES = tuple(sorted(p.stem for p in Path(__file__).resolve().parent.glob("test_*.py")))  # every test module
 AXES = dict(tp=(1, 2), pp=(1, 2, 4), cp=(1, 2), ep=(1, 2), packed=(False, True), recompute=("none", "full"),
             offload=(False, True))
 
@@ -63,7 +61,7 @@ def _row(mark, test: str) -> Row:
 
 
 def collect() -> list[Row]:
-    """Every `layout` mark on the tests of MODULES (functions and their parametrizations)."""
+    """Every `layout` mark on the tests of tests/mcore (functions and their parametrizations)."""
     rows = []
     for module_name in MODULES:
         module = importlib.import_module(f"tests.mcore.{module_name}")
@@ -97,8 +95,8 @@ def render(rows: list[Row]) -> str:
     rest = len(space) - len(equal)
     lines += ["", f"Of the {len(space)} combinations of TP ∈ {{1, 2}}, PP ∈ {{1, 2, 4}}, CP ∈ {{1, 2}}, EP ∈ {{1, 2}}, "
               f"packed, recompute ∈ {{none, full}} and optimizer CPU offload, {len(equal)} are tested equal above "
-              f"on CPU; the other {rest} (the `gpu` rows included) are accepted by the config (given the settings the refused rows name) but **not "
-              "tested together** — no claim is made for them."]
+              f"on CPU; the other {rest} (the `gpu` rows included) are accepted by the config (given the settings "
+              "the refused rows name) but **not tested together** — no claim is made for them."]
     return "\n".join(lines)
 
 

@@ -122,7 +122,8 @@ def _resume_rank(rank: int, world_size: int, ckpt: str, expected_path: str) -> N
 
 
 @pytest.mark.slow
-@LAYOUT(pp=2, recompute="full", check="checkpoint at PP = 1 (adapter + Adam state, megatron-core dist_checkpointing), resumed at PP = 2: "
+@LAYOUT(pp=2, recompute="full", check="checkpoint at PP = 1 (adapter + Adam state, megatron-core "
+        "dist_checkpointing), resumed at PP = 2: "
         "the next step's loss and adapters bit-identical to the uninterrupted run")
 def test_adapter_checkpoint_resumes_bit_identically_at_another_layout(tmp_path):
     from megatron.core import dist_checkpointing

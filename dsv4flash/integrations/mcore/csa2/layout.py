@@ -26,7 +26,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from dsv4flash.integrations.mcore.csa2.context_parallel import CPSpans, HaloPlan, cp_packed_positions, cp_token_positions
+from dsv4flash.integrations.mcore.csa2.context_parallel import (
+    CPSpans,
+    HaloPlan,
+    cp_packed_positions,
+    cp_token_positions,
+)
 
 __all__ = ["CPSpans", "GroupTable", "TokenLayout", "build_layout"]
 
