@@ -68,20 +68,63 @@ def assert_grads_match(ref, model, rel: float = 2e-4, reduce=None) -> int:
     return checked
 
 
-def save_reference_expectation(path, ids_seed: int, probe_seed: int) -> None:
-    """Run the single-device reference on [2, 32] tokens with a probe loss and save what the ranks compare to:
-    ids, probe weights, logits and every gradient under its Megatron parameter name."""
+def reference_grads(ref) -> dict[str, torch.Tensor]:
+    """Every reference gradient in Megatron layout under its Megatron name (tensors without one left out)."""
     from dsv4flash.integrations.mcore.csa2 import name_map
 
-    ref = reference(seed=0)
-    ids = token_ids(2, 32, seed=ids_seed)
-    weights = probe((2, 32, VOCAB), seed=probe_seed)
-    logits = ref(ids)
-    (logits * weights).sum().backward()
     params = dict(ref.named_parameters())
     grads = {}
     for pair in name_map(ref.cfg):
         parts = [params[n].grad if n in params else None for n in pair.reference]
         if all(p is not None for p in parts):
             grads[pair.megatron] = torch.cat(parts) if len(parts) > 1 else parts[0]
-    torch.save({"ids": ids, "weights": weights, "logits": logits.detach(), "grads": grads}, path)
+    return grads
+
+
+def save_reference_expectation(path, ids_seed: int, probe_seed: int) -> None:
+    """Run the single-device reference on [2, 32] tokens with a probe loss and save what the ranks compare to:
+    ids, probe weights, logits and every gradient under its Megatron parameter name."""
+    ref = reference(seed=0)
+    ids = token_ids(2, 32, seed=ids_seed)
+    weights = probe((2, 32, VOCAB), seed=probe_seed)
+    logits = ref(ids)
+    (logits * weights).sum().backward()
+    torch.save({"ids": ids, "weights": weights, "logits": logits.detach(), "grads": reference_grads(ref)}, path)
+
+
+def pack(seqs, pads, pad_ids):
+    """THD batch [1, T]: ids, per-sequence positions, PackedSeqParams and each sequence's slot start."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    ids, pos, cu, cu_pad = [], [], [0], [0]
+    for seq, pad, fill in zip(seqs, pads, pad_ids):
+        ids += [seq, fill[:pad]]
+        pos += [torch.arange(len(seq)), torch.zeros(pad, dtype=torch.long)]
+        cu.append(cu[-1] + len(seq))
+        cu_pad.append(cu_pad[-1] + len(seq) + pad)
+    cu_t, cu_pad_t = torch.tensor(cu, dtype=torch.int32), torch.tensor(cu_pad, dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, cu_seqlens_q_padded=cu_pad_t,
+                             cu_seqlens_kv_padded=cu_pad_t, max_seqlen_q=max(len(s) for s in seqs),
+                             max_seqlen_kv=max(len(s) for s in seqs))
+    return torch.cat(ids)[None], torch.cat(pos)[None], params, cu_pad[:-1]
+
+
+def tiny_with_flash_plan():
+    """Tiny widths with the release's 40-layer plan: kv sources 2/8/14/20, index sources every 4 layers
+    from 20, the candidate source at 20 (first decoder layer), Engram at layers 1 and 14."""
+    from dsv4flash.config import _derive_engram_layouts, load_config
+
+    flash = load_config("flash").text
+    n = flash.num_hidden_layers
+    cfg = load_config("tiny").replace_text(
+        num_hidden_layers=n, compress_ratios=flash.compress_ratios[:n], engram_layer_ids=flash.engram_layer_ids,
+        kv_source_layer_ids=flash.kv_source_layer_ids, index_source_layer_ids=flash.index_source_layer_ids,
+        candidate_source_layer_id=flash.candidate_source_layer_id)
+    return cfg.replace_text(engram_num_embeddings=tuple(t.num_rows for t in _derive_engram_layouts(cfg.text)))
+
+
+def reference_model(cfg, seed: int = 0):
+    """The reference model (fp32) of any V4.1 config."""
+    from dsv4flash.model.transformer import Transformer
+
+    return Transformer(cfg, seed=seed)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.mcore import csa2_support as sup
+from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
 pytestmark = [pytest.mark.upstream, pytest.mark.parity]
@@ -63,7 +64,11 @@ def _cp_rank(rank: int, world_size: int, layout_name: str, recompute: str, expec
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("layout_name, recompute", [("zigzag", "none"), ("contiguous", "full")])
+@pytest.mark.parametrize("layout_name, recompute", [
+    pytest.param("zigzag", "none", id="zigzag", marks=LAYOUT(cp=2, check="zigzag: logits, gradients summed over "
+                                                                    "ranks, one owner per KV block")),
+    pytest.param("contiguous", "full", id="contiguous", marks=LAYOUT(cp=2, recompute="full", check="contiguous: same")),
+])
 def test_two_rank_context_parallel_equals_single_device(layout_name, recompute, tmp_path):
     with sup.single_thread():
         _spawn_against_reference(layout_name, recompute, tmp_path)
@@ -75,33 +80,20 @@ def _spawn_against_reference(layout_name, recompute, tmp_path):
     weights = sup.probe((2, SEQ, sup.VOCAB), seed=42)
     logits = ref(ids)
     (logits * weights).sum().backward()
-    grads = {name: expected for name, expected, _ in _reference_grads(ref) if expected is not None}
+    grads = sup.reference_grads(ref)
     path = tmp_path / "expected.pt"  # ranks start from a fork server: hand them plain data and a file
     torch.save({"ids": ids, "weights": weights, "logits": logits.detach(), "grads": grads}, path)
     parallel.spawn_gloo(_cp_rank, 2, layout_name, recompute, str(path))
 
 
-def _reference_grads(ref):
-    """(Megatron name, reference grad in Megatron layout, None) without building a Megatron model."""
-    from dsv4flash.integrations.mcore.csa2 import name_map
-
-    params = dict(ref.named_parameters())
-    for pair in name_map(ref.cfg):
-        if pair.megatron.endswith("expert_bias"):
-            continue
-        parts = [params[n].grad for n in pair.reference]
-        if any(p is None for p in parts):
-            yield pair.megatron, None, None
-        else:
-            yield pair.megatron, torch.cat(parts) if len(parts) > 1 else parts[0], None
-
-
 def test_zigzag_spans_and_halo_sources():
-    from dsv4flash.integrations.mcore.csa2.layout import CPSpans
+    from dsv4flash.integrations.mcore.csa2.context_parallel import CPSpans, HaloPlan
 
     spans = [CPSpans.build("zigzag", 2, r, 18) for r in range(2)]
     assert spans[0].positions().tolist() == list(range(9)) + list(range(27, 36))
     assert spans[1].positions().tolist() == list(range(9, 27))
-    assert spans[0].span_ending_at(27) == (1, 1) and spans[1].span_ending_at(9) == (0, 0)
+    # Halo of 3: rank 0's span at 27 reads 24..26 (rank 1); rank 1's span at 9 reads 6..8 (rank 0).
+    assert HaloPlan.build(spans[0], 3).ext_positions.tolist() == list(range(9)) + list(range(24, 36))
+    assert HaloPlan.build(spans[1], 3).ext_positions.tolist() == list(range(6, 27))
     with pytest.raises(ValueError, match="even local length"):
         CPSpans.build("zigzag", 2, 0, 17)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.mcore import csa2_support as sup
+from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
 pytestmark = [pytest.mark.upstream, pytest.mark.parity]
@@ -49,6 +50,7 @@ def _ep_rank(rank: int, world_size: int, expected_path: str) -> None:
             assert err <= 5e-4 * scale + 1e-7, f"rank {rank} {name}: |Δgrad| {err:.3g} vs {scale:.3g}"
 
 
+@LAYOUT(ep=2, check="alltoall dispatcher: logits and every gradient (experts from both ranks' tokens)")
 def test_two_rank_expert_parallel_equals_single_device(tmp_path):
     with sup.single_thread():
         path = tmp_path / "expected.pt"

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 
 from tests.mcore import csa2_support as sup
+from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
 pytestmark = [pytest.mark.upstream, pytest.mark.parity]
@@ -28,21 +28,8 @@ def mcore():
         yield
 
 
-def pack(seqs, pads, pad_ids):
-    """THD batch [1, T]: ids, per-sequence positions, PackedSeqParams and each sequence's slot start."""
-    ids, pos, cu, cu_pad = [], [], [0], [0]
-    for seq, pad, fill in zip(seqs, pads, pad_ids):
-        ids += [seq, fill[:pad]]
-        pos += [torch.arange(len(seq)), torch.zeros(pad, dtype=torch.long)]
-        cu.append(cu[-1] + len(seq))
-        cu_pad.append(cu_pad[-1] + len(seq) + pad)
-    cu_t, cu_pad_t = torch.tensor(cu, dtype=torch.int32), torch.tensor(cu_pad, dtype=torch.int32)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t, cu_seqlens_q_padded=cu_pad_t,
-                             cu_seqlens_kv_padded=cu_pad_t, max_seqlen_q=max(len(s) for s in seqs),
-                             max_seqlen_kv=max(len(s) for s in seqs))
-    return torch.cat(ids)[None], torch.cat(pos)[None], params, cu_pad[:-1]
-
-
+@LAYOUT(packed=True, recompute="full", check="THD batch vs each sequence alone: logits, every gradient; padding "
+        "never read")
 def test_packed_sequences_equal_each_sequence_alone(mcore):
     ref = sup.reference(seed=0)
     gen = torch.Generator().manual_seed(21)
@@ -56,7 +43,7 @@ def test_packed_sequences_equal_each_sequence_alone(mcore):
 
     model = sup.megatron_from(ref, recompute="full")
     pad_ids = [torch.randint(0, sup.VOCAB, (8,), generator=gen) for _ in LENGTHS]
-    ids, pos, params, starts = pack(seqs, PADS, pad_ids)
+    ids, pos, params, starts = sup.pack(seqs, PADS, pad_ids)
     logits = model(ids, pos, packed_seq_params=params)[0]  # [T, V]
     loss = 0
     for seq, start, want, weights in zip(seqs, starts, expected, probes):
@@ -75,7 +62,7 @@ def test_padding_content_never_reaches_real_tokens(mcore):
     outs, grads = [], []
     for trial in range(2):  # two different fillings of the padding slots
         pad_ids = [torch.randint(0, sup.VOCAB, (8,), generator=gen) for _ in LENGTHS]
-        ids, pos, params, starts = pack(seqs, PADS, pad_ids)
+        ids, pos, params, starts = sup.pack(seqs, PADS, pad_ids)
         emb = model.embedding(ids, pos).detach().requires_grad_(True)  # [T, 1, D]
         logits = model(ids, pos, decoder_input=emb, packed_seq_params=params)[0]
         real = torch.cat([torch.arange(s, s + len(q)) for s, q in zip(starts, seqs)])
@@ -103,7 +90,7 @@ def test_right_padded_rows_equal_their_unpadded_runs(mcore):
 def test_group_table_follows_each_sequence():
     from dsv4flash.integrations.mcore.csa2.layout import build_layout
 
-    _, _, params, starts = pack([torch.zeros(n, dtype=torch.long) for n in (5, 4)], (1, 2),
+    _, _, params, starts = sup.pack([torch.zeros(n, dtype=torch.long) for n in (5, 4)], (1, 2),
                                 [torch.zeros(8, dtype=torch.long)] * 2)
     layout = build_layout(1, 12, (1, 2), packed_seq_params=params)
     assert layout.seq.tolist() == [[0, 0, 0, 0, 0, -1, 1, 1, 1, 1, -1, -1]]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.mcore import csa2_support as sup
+from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
 pytestmark = [pytest.mark.upstream, pytest.mark.parity]
@@ -35,7 +36,9 @@ def oracle(mcore):
     return ref, ids, weights, logits.detach()
 
 
-@pytest.mark.parametrize("recompute", ["none", "full", "full_block"])
+@pytest.mark.parametrize("recompute", [
+    pytest.param(r, id=r, marks=LAYOUT(recompute=r, check="logits and every parameter gradient vs the reference"))
+    for r in ("none", "full", "full_block")])
 def test_logits_and_gradients_match_reference(oracle, recompute):
     ref, ids, weights, expected = oracle
     model = sup.megatron_from(ref, recompute=recompute)

@@ -72,7 +72,9 @@ def test_layer_refuses_a_call_without_the_csa2_carry(config):
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"pipeline_model_parallel_size": 2, "pipeline_dtype": torch.float32}, "pipeline_model_parallel_size"),
+    ({"pipeline_model_parallel_size": 2, "pipeline_dtype": torch.float32}, "variable_seq_lengths"),
+    ({"pipeline_model_parallel_size": 2, "pipeline_dtype": torch.bfloat16, "variable_seq_lengths": True},
+     "pipeline_dtype"),
     ({"bias_activation_fusion": True}, "swiglu_limit"),
     ({"cp_layout": "ring"}, "cp_layout"),
     ({"recompute_granularity": "selective", "recompute_modules": ["layernorm"]}, "recompute_modules"),
@@ -92,8 +94,10 @@ def test_provider_validates_its_options(mcore):
         DSV41ModelProvider("tiny", recompute="sometimes").transformer_config()
     with pytest.raises(ValueError, match="transformer_engine"):
         DSV41ModelProvider("tiny", moe_grouped_gemm=True).transformer_config()
-    with pytest.raises(ValueError, match="pipeline"):
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size > 1"):
         DSV41ModelProvider("tiny").provide(pre_process=False)
+    with pytest.raises(ValueError, match="vp_stage"):
+        DSV41ModelProvider("tiny").provide(vp_stage=1)
 
 
 def test_selective_core_attention_and_moe_recompute_keep_gradients_exact(mcore):

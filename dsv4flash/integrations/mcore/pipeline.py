@@ -55,7 +55,7 @@ def stage_is_trainable(modules: Sequence[torch.nn.Module]) -> bool:
 
 @dataclass
 class P2PStats:
-    """Backward-direction traffic of one communicator: tensors exchanged and transfers skipped by agreement."""
+    """Traffic of one communicator: tensors and bytes exchanged, and transfers skipped by agreement."""
 
     grads_sent: int = 0
     grads_received: int = 0
@@ -63,6 +63,8 @@ class P2PStats:
     receives_skipped: int = 0
     forward_sent: int = 0
     forward_received: int = 0
+    grad_bytes_sent: int = 0  # bytes of the gradient tensors this stage sent upstream
+    forward_bytes_sent: int = 0
 
 
 class EarlyStopP2PCommunicator(P2PCommunicator):
@@ -89,6 +91,10 @@ class EarlyStopP2PCommunicator(P2PCommunicator):
         self.stats.grads_sent += tensor_send_prev is not None
         self.stats.grads_received += bool(recv_next)
         self.stats.forward_sent += tensor_send_next is not None
+        if tensor_send_prev is not None:
+            self.stats.grad_bytes_sent += tensor_send_prev.numel() * tensor_send_prev.element_size()
+        if tensor_send_next is not None:
+            self.stats.forward_bytes_sent += tensor_send_next.numel() * tensor_send_next.element_size()
         self.stats.forward_received += bool(recv_prev)
         if tensor_send_next is None and tensor_send_prev is None and not recv_prev and not recv_next:
             batched = self.config.use_ring_exchange_p2p or self.config.batch_p2p_comm

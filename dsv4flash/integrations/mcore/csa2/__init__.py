@@ -2,7 +2,8 @@
 
 Importing this package imports megatron-core. Entry points:
 
-- `DSV41ModelProvider(cfg).provide()` -> `DSV41MegatronModel` (embedding, CSA2 block, fp32 head);
+- `DSV41ModelProvider(cfg).provide()` -> `DSV41MegatronModel` (embedding, CSA2 block, fp32 head; under PP this
+  rank's stage, exchanging the CSA2 payload of `pipeline_payload.py`);
 - `get_csa2_block_spec(config)` / `get_csa2_layer_spec(config, i)` for your own model class;
 - `transformer_config_from(cfg, **overrides)` -> `CSA2TransformerConfig`;
 - `load_reference_state(model, state)` loads release-named weights (`dsv4flash.model` state dicts).

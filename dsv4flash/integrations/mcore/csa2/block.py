@@ -26,19 +26,24 @@ from megatron.core.utils import make_viewless_tensor
 from dsv4flash.integrations.mcore.csa2.carry import CSA2Context, CSA2Tokens
 from dsv4flash.integrations.mcore.csa2.hyper_connection import pack_streams, unpack_streams
 from dsv4flash.integrations.mcore.csa2.layout import CPSpans, build_layout
+from dsv4flash.integrations.mcore.csa2.pipeline_payload import decode as decode_payload
+from dsv4flash.integrations.mcore.csa2.pipeline_payload import encode as encode_payload
+from dsv4flash.integrations.mcore.pipeline import stage_is_trainable
 from dsv4flash.model.hyper_connection import collapse
 
 __all__ = ["CSA2TransformerBlock"]
 
 
 class CSA2TransformerBlock(TransformerBlock):
-    """All V4.1 blocks of one model (PP = 1); layer specs come from `get_csa2_block_spec`."""
+    """The V4.1 blocks of one pipeline stage (all of them at PP = 1); specs come from `get_csa2_block_spec`.
+
+    A stage that does not start the stack reads its streams and the CSA2 state from the pipeline payload
+    (`set_input_tensor`); one that does not end it returns the payload instead of the final hidden state
+    (`pipeline_payload.py`).
+    """
 
     def __init__(self, config: Any, spec: Any, post_layer_norm: bool = True, pre_process: bool = True,
                  post_process: bool = True, pg_collection: Any = None, vp_stage: Optional[int] = None) -> None:
-        if not (pre_process and post_process):
-            raise ValueError("CSA2TransformerBlock holds the whole stack (pipeline parallelism is not supported: "
-                             "megatron-core 0.19 ships only hidden_states between stages)")
         super().__init__(config=config, spec=spec, post_layer_norm=post_layer_norm, pre_process=pre_process,
                          post_process=post_process, pg_collection=pg_collection, vp_stage=vp_stage)
         text = config.dsv4.text
@@ -54,21 +59,32 @@ class CSA2TransformerBlock(TransformerBlock):
         return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
     # ---- micro-batch bookkeeping ------------------------------------------------------------------
-    def cp_spans(self, local_len: int) -> Optional[CPSpans]:
-        """The context-parallel split of this micro-batch's sequence, or None without context parallelism."""
+    def cp_spans(self, local_len: int, packed_seq_params: Any = None) -> Optional[CPSpans]:
+        """The context-parallel split of this micro-batch's tokens, or None without context parallelism.
+
+        A THD-packed micro-batch is split per document ('zigzag', megatron-core's `get_batch_on_this_cp_rank`
+        with `cu_seqlens`) or as one packed row ('contiguous'); `packed_seq_params` describes the global row.
+        """
         group = getattr(self.pg_collection, "cp", None)
         if group is None or torch.distributed.get_world_size(group) == 1:
             return None
-        return CPSpans.build(self.config.cp_layout, torch.distributed.get_world_size(group),
-                             torch.distributed.get_rank(group), local_len, group)
+        size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        if packed_seq_params is None:
+            return CPSpans.build(self.config.cp_layout, size, rank, local_len, group)
+        bounds = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+        if bounds is None:
+            bounds = packed_seq_params.cu_seqlens_q
+        return CPSpans.build_packed(self.config.cp_layout, size, rank, local_len, bounds.tolist(), group)
 
     def build_tokens(self, hidden_states: torch.Tensor, *, packed_seq_params: Any = None,
                      padding_mask: Optional[torch.Tensor] = None, image_mask: Optional[torch.Tensor] = None,
                      engram_rows: tuple = ()) -> CSA2Tokens:
-        """Layout + constants for a micro-batch whose embeddings are `hidden_states` [s, b, h]."""
+        """Layout + constants for a micro-batch whose embeddings are `hidden_states` [s, b, h] (only the
+        shape and device are read: later pipeline stages pass any [s, b, ...] tensor)."""
         seq_len, batch = hidden_states.shape[:2]
         layout = build_layout(batch, seq_len, self.ratios, halo_width=self.halo_width, padding_mask=padding_mask,
-                              packed_seq_params=packed_seq_params, cp=self.cp_spans(seq_len),
+                              packed_seq_params=packed_seq_params,
+                              cp=self.cp_spans(seq_len, packed_seq_params),
                               device=hidden_states.device)
         if padding_mask is None and not bool(layout.valid.all()):
             # Padding slots of a packed batch: the MoE router must see them as padding too.
@@ -83,28 +99,46 @@ class CSA2TransformerBlock(TransformerBlock):
                 sequence_len_offset: Any = None, padding_mask: Optional[torch.Tensor] = None,
                 extract_layer_indices: Any = None, *, inference_params: Any = None,
                 dynamic_inference_decode_only: Any = None, csa2_tokens: Optional[CSA2Tokens] = None) -> torch.Tensor:
-        """hidden_states [s,b,h] (embeddings) -> [s,b,h] after the last collapse and the final norm."""
+        """hidden_states [s,b,h] (embeddings) -> [s,b,h] after the last collapse and the final norm.
+
+        Pipeline stages: without pre_process the input is the payload set by `set_input_tensor` (pass
+        `csa2_tokens`); without post_process the result is the payload for the next stage.
+        """
         if context is not None:
             raise ValueError("CSA2TransformerBlock has no cross-attention `context`; the CSA2 carry is internal")
         if extract_layer_indices:
             raise NotImplementedError("CSA2TransformerBlock does not extract intermediate hidden states")
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("CSA2TransformerBlock has no inference (KV-cache) path; serve with vLLM")
-        tokens = csa2_tokens if csa2_tokens is not None else self.build_tokens(
-            hidden_states, packed_seq_params=packed_seq_params, padding_mask=padding_mask)
-        seq_len, batch, dim = hidden_states.shape
-        streams = pack_streams(hidden_states.unsqueeze(2).expand(seq_len, batch, self.hc, dim))  # [s,b,hc·D]
+        if self.pre_process:
+            tokens = csa2_tokens if csa2_tokens is not None else self.build_tokens(
+                hidden_states, packed_seq_params=packed_seq_params, padding_mask=padding_mask)
+            seq_len, batch, dim = hidden_states.shape
+            streams = pack_streams(hidden_states.unsqueeze(2).expand(seq_len, batch, self.hc, dim))  # [s,b,hc·D]
+            ctx = CSA2Context.initial(hidden_states, self.hc, tokens)
+        else:
+            if csa2_tokens is None:
+                raise ValueError("a CSA2 pipeline stage after the first needs csa2_tokens (built from the "
+                                 "micro-batch's input ids: DSV41MegatronModel.tokens)")
+            payload = self.input_tensor[0] if isinstance(self.input_tensor, (list, tuple)) else self.input_tensor
+            if payload is None:
+                raise ValueError("CSA2 pipeline stage: no input tensor was set (set_input_tensor)")
+            streams, ctx = decode_payload(payload, csa2_tokens)
         recompute = self.config.recompute_granularity == "full" and self.training
-        if recompute and torch.is_grad_enabled() and not streams.requires_grad:
-            # A frozen embedding would leave every checkpointed chunk without a grad input, and trainable
-            # layers inside (LoRA) would get no gradient; the same fix Megatron-Bridge applies (P16).
+        if (recompute and torch.is_grad_enabled() and not streams.requires_grad
+                and stage_is_trainable([self])):
+            # A frozen embedding (or a stage input detached by the pipeline early stop) would leave every
+            # checkpointed chunk without a grad input, and trainable layers inside (LoRA) would get no
+            # gradient; the same fix Megatron-Bridge applies (P16). A stage with nothing trainable keeps
+            # its graph empty, so its backward is skipped.
             streams = streams.detach().requires_grad_(True)
-        ctx = CSA2Context.initial(hidden_states, self.hc, tokens)
         run = dict(attention_mask=attention_mask, packed_seq_params=packed_seq_params, padding_mask=padding_mask)
         if recompute:
             streams, ctx = self._checkpointed_forward(streams, ctx, run)
         else:
             streams, ctx = self._run_layers(0, len(self.layers), streams, ctx, run)
+        if not self.post_process:
+            return encode_payload(streams, ctx)  # [N, 1, 1] fp32, to the next stage
         hidden = collapse(unpack_streams(streams, self.hc), ctx.pre_mix)  # [s,b,D]
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)

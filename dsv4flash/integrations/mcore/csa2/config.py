@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from dsv4flash.config import DSV41FlashConfig, load_config
+from dsv4flash.integrations.mcore.csa2.context_parallel import CP_LAYOUTS
 
 __all__ = ["CSA2TransformerConfig", "transformer_config_from", "CP_LAYOUTS"]
 
-CP_LAYOUTS = ("zigzag", "contiguous")
 # Selective recompute targets the CSA2 stack implements (MoELayer handles the MoE ones itself).
 _SELECTIVE_OK = {"core_attn", "moe", "moe_act", "shared_experts"}
 
@@ -34,7 +34,8 @@ class CSA2TransformerConfig(TransformerConfig):
 
     cp_layout: str = "zigzag"
     """Sequence split over context-parallel ranks: 'zigzag' (2·cp chunks, megatron-core's
-    `get_batch_on_this_cp_rank`) or 'contiguous' (one chunk per rank)."""
+    `get_batch_on_this_cp_rank`; for THD-packed batches per document, as TE's `thd_get_partitioned_indices`)
+    or 'contiguous' (one chunk per rank of the row, or of the packed row)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -61,8 +62,18 @@ class CSA2TransformerConfig(TransformerConfig):
             raise ValueError("CSA2TransformerConfig.sequence_parallel is not supported by the CSA2 stack "
                              "(the shared CSA2 state is per sequence, not per sequence shard)")
         if self.pipeline_model_parallel_size > 1:
-            raise ValueError("CSA2TransformerConfig.pipeline_model_parallel_size must be 1: megatron-core 0.19 "
-                             "pipeline p2p ships only hidden_states, not the CSA2 state (architecture.md §13)")
+            # Stages exchange one fp32 payload of variable size (streams + CSA2 state, pipeline_payload.py).
+            if not self.variable_seq_lengths:
+                raise ValueError("CSA2TransformerConfig.variable_seq_lengths must be True with "
+                                 "pipeline_model_parallel_size > 1: the CSA2 stage payload (streams + cross-layer "
+                                 "state) is not [s, b, hidden_size], so its shape is exchanged per micro-batch")
+            if self.pipeline_dtype != torch.float32:
+                raise ValueError(f"CSA2TransformerConfig.pipeline_dtype must be torch.float32 with "
+                                 f"pipeline_model_parallel_size > 1 (the CSA2 stage payload is fp32: it carries "
+                                 f"fp32 pre_mix and integer top-k exactly), got {self.pipeline_dtype}")
+            if self.virtual_pipeline_model_parallel_size is not None:
+                raise ValueError("CSA2TransformerConfig.virtual_pipeline_model_parallel_size must be None: the "
+                                 "CSA2 stack runs the non-interleaved 1F1B schedule")
         if self.cuda_graph_impl != "none":
             raise ValueError("CSA2TransformerConfig.cuda_graph_impl must be 'none' (CSA2 state shapes vary "
                              "with packing)")

@@ -5,6 +5,14 @@ The stock slots keep their stock meaning — `input_layernorm` (attn_norm), `sel
 coefficients) and `engram` (only on Engram layers). The calling convention is the stock one:
 `layer(hidden_states=[s,b,hc·D], context=CSA2Context, ...) -> (hidden_states, context)`, where the
 context carries the lagged mHC `pre`, the shared CSA2 state and the micro-batch constants (see `carry.py`).
+
+Tensor parallelism in training: megatron-core 0.19's `MoELayer` needs sequence parallelism with TP > 1,
+while the CSA2 attention and mHC need whole sequences (the shared state is per sequence). The layer
+therefore runs only its MoE sequence-parallel: it scatters the normalised FFN input over the TP ranks
+along the sequence, runs an `MoELayer` built with `sequence_parallel=True` (its router sees the local
+tokens, experts and shared expert gather them as megatron-core does), and all-gathers the output back
+to every rank (backward: each rank keeps its own slice of the gradient, which is identical on all ranks
+because everything after the MoE is replicated).
 """
 
 from __future__ import annotations
@@ -12,7 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+import copy
+
 import torch
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -58,6 +72,16 @@ class CSA2TransformerLayer(TransformerLayer):
             self.engram = build_module(submodules.engram, config, engram_index=self.plan.engram_index)
         else:
             self.engram = None
+        self.moe_sequence_parallel = config.tensor_model_parallel_size > 1
+        if self.moe_sequence_parallel:
+            # Rebuild the MoE with a sequence-parallel copy of the config (the CSA2 config itself refuses
+            # sequence_parallel: attention and mHC stay on whole sequences).
+            moe_config = copy.copy(config)
+            moe_config.sequence_parallel = True
+            self.mlp = submodules.mlp(config=moe_config, pg_collection=self.pg_collection,
+                                      is_mtp_layer=self.is_mtp_layer)
+            if hasattr(self.mlp, "set_layer_number"):
+                self.mlp.set_layer_number(self.layer_number)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 context: Optional[CSA2Context] = None, context_mask: Optional[torch.Tensor] = None,
@@ -96,9 +120,25 @@ class CSA2TransformerLayer(TransformerLayer):
         return pack_streams(x), context.advance(ffn_pre, state)
 
     def _mlp(self, h: torch.Tensor, tokens) -> torch.Tensor:
-        kwargs = {"padding_mask": tokens.padding_mask}
-        if tokens.image_mask is not None:
-            kwargs["image_mask"] = tokens.image_mask
+        """h [s,b,D] -> MoE output [s,b,D]; sequence-parallel inside under tensor parallelism."""
+        padding_mask, image_mask = tokens.padding_mask, tokens.image_mask
+        if self.moe_sequence_parallel:
+            tp, rank = self.tp_group.size(), self.tp_group.rank()
+            if h.shape[0] % tp:
+                raise ValueError(f"layer {self.plan.layer_id}: {h.shape[0]} local tokens do not split over "
+                                 f"tensor_model_parallel_size {tp} for the sequence-parallel MoE; pad the "
+                                 f"sequence to a multiple of {tp}")
+            chunk = h.shape[0] // tp
+            h = scatter_to_sequence_parallel_region(h, group=self.tp_group)  # [s/tp, b, D]
+            local = slice(rank * chunk, (rank + 1) * chunk)
+            padding_mask = padding_mask[:, local] if padding_mask is not None else None  # [b, s/tp]
+            image_mask = image_mask[:, local] if image_mask is not None else None
+        kwargs = {"padding_mask": padding_mask}
+        if image_mask is not None:
+            kwargs["image_mask"] = image_mask
         out = self.mlp(h, **kwargs)
         out = out[0] if isinstance(out, tuple) else out
+        if self.moe_sequence_parallel:
+            out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False,
+                                                       group=self.tp_group)  # [s, b, D]
         return out

@@ -26,7 +26,12 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from dsv4flash.integrations.mcore.csa2.context_parallel import CPSpans, HaloPlan, cp_token_positions
+from dsv4flash.integrations.mcore.csa2.context_parallel import (
+    CPSpans,
+    HaloPlan,
+    cp_packed_positions,
+    cp_token_positions,
+)
 
 __all__ = ["CPSpans", "GroupTable", "TokenLayout", "build_layout"]
 
@@ -173,7 +178,8 @@ def build_layout(batch: int, seq_len: int, ratios: Sequence[int], *, halo_width:
     """Describe a micro-batch of `batch` rows × `seq_len` local tokens (see the module docstring).
 
     padding_mask: [B, S] bool, True = padding (megatron-core 0.19's convention), a suffix of each row.
-    packed_seq_params: THD packing (micro-batch 1). cp: the context-parallel split of unpacked rows.
+    packed_seq_params: THD packing (micro-batch 1; under CP it describes the global row). cp: the
+    context-parallel split (`CPSpans.build` for rows, `CPSpans.build_packed` for a packed row).
     halo_width: tokens each CP span needs from before its start (window − 1, ratio − 1, n-gram − 1).
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -186,8 +192,7 @@ def build_layout(batch: int, seq_len: int, ratios: Sequence[int], *, halo_width:
 
     if packed_seq_params is not None:
         if cp is not None:
-            raise NotImplementedError("packed (THD) sequences with context parallelism are not supported by the "
-                                      "CSA2 stack yet; use context parallelism with unpacked rows")
+            return _packed_cp_layout(batch, ratios, halo_width, padding_mask, packed_seq_params, cp, device)
         seq, pos = _packed_segments(batch, seq_len, packed_seq_params, device)
         seq = torch.where(valid, seq, torch.full_like(seq, -1))
         for k in range(int(seq.max()) + 1 if seq.numel() else 0):
@@ -207,6 +212,21 @@ def build_layout(batch: int, seq_len: int, ratios: Sequence[int], *, halo_width:
 
     seq, pos, ext_seq, ext_pos, plan, local_slots, lengths = cp_token_positions(cp, batch, seq_len, valid,
                                                                                 halo_width, device)
+    return _finish(seq, pos, ext_seq, ext_pos, plan, ratios, lengths, device, local_slots=local_slots)
+
+
+def _packed_cp_layout(batch: int, ratios: Sequence[int], halo_width: int, padding_mask: Optional[torch.Tensor],
+                      packed_seq_params: Any, cp: CPSpans, device) -> TokenLayout:
+    """One CP rank's share of a THD-packed row: `packed_seq_params` describes the whole (global) row, as
+    megatron-core passes it to every CP rank; `cp` is the row split (`CPSpans.build_packed`)."""
+    slot_seq, slot_pos = _packed_segments(batch, cp.global_len, packed_seq_params, torch.device("cpu"))
+    slot_seq, slot_pos = slot_seq[0], slot_pos[0]
+    seq, pos, ext_seq, ext_pos, plan, local_slots = cp_packed_positions(cp, slot_seq, slot_pos, halo_width, device)
+    if padding_mask is not None and bool((padding_mask.to(device=device, dtype=torch.bool) != (seq < 0)).any()):
+        raise ValueError("padding_mask under context parallelism with packed sequences must mark exactly the "
+                         "padding slots of packed_seq_params (cu_seqlens_q vs cu_seqlens_q_padded)")
+    n_seq = int(slot_seq.max()) + 1 if bool((slot_seq >= 0).any()) else 0
+    lengths = [[int((slot_seq == k).sum()) for k in range(n_seq)]]
     return _finish(seq, pos, ext_seq, ext_pos, plan, ratios, lengths, device, local_slots=local_slots)
 
 

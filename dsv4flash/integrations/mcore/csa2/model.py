@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.enums import ModelType
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
@@ -26,38 +27,55 @@ __all__ = ["DSV41MegatronModel"]
 
 
 class DSV41MegatronModel(KeepFP32, LanguageModule):
-    """Embedding, Engram hashing, `CSA2TransformerBlock` and the fp32 output layer (untied, as the release)."""
+    """Embedding, Engram hashing, `CSA2TransformerBlock` and the fp32 output layer (untied, as the release).
+
+    As a pipeline stage (`pre_process` / `post_process` False) it holds only its layers; the first stage
+    owns the embedding, the last the final norm and head, and between stages it exchanges the CSA2
+    pipeline payload (streams + cross-layer state). Every stage needs the micro-batch's `input_ids` (the
+    token layout and the Engram hashes are computed per stage, as megatron-core's MTP stages do).
+    """
 
     _fp32_params = ("output_layer.weight",)
 
-    def __init__(self, config: Any, block_spec: Any, *, parallel_output: bool = True,
-                 pg_collection: Any = None) -> None:
+    def __init__(self, config: Any, block_spec: Any, *, parallel_output: bool = True, pre_process: bool = True,
+                 post_process: bool = True, pg_collection: Any = None, vp_stage: Optional[int] = None) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         text = config.dsv4.text
         self.vocab_size = text.vocab_size
         self.max_sequence_length = text.max_position_embeddings
         self.parallel_output = parallel_output
-        self.pre_process = self.post_process = True
+        self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
+        self.model_type = ModelType.encoder_or_decoder  # what megatron-core's schedules read
         self.share_embeddings_and_output_weights = False
-        self.embedding = LanguageModelEmbedding(config, self.vocab_size, self.max_sequence_length,
-                                                position_embedding_type="none", tp_group=self.tp_group)
-        self.engram_hasher = EngramHasher(config.dsv4) if text.engram_layer_ids else None
-        self.decoder = CSA2TransformerBlock(config, block_spec, pg_collection=self.pg_collection)
-        # REF keeps the head in fp32 and computes fp32 logits.
-        head_config = with_dtype(config, torch.float32)
-        self.output_layer = ColumnParallelLinear(text.hidden_size, self.vocab_size, config=head_config,
-                                                 init_method=config.init_method, bias=False, skip_bias_add=False,
-                                                 gather_output=not parallel_output, tp_group=self.tp_group)
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config, self.vocab_size, self.max_sequence_length,
+                                                    position_embedding_type="none", tp_group=self.tp_group)
+        self.decoder = CSA2TransformerBlock(config, block_spec, pre_process=pre_process, post_process=post_process,
+                                            pg_collection=self.pg_collection, vp_stage=vp_stage)
+        stage_engram = any(getattr(layer, "engram", None) is not None for layer in self.decoder.layers)
+        self.engram_hasher = EngramHasher(config.dsv4) if text.engram_layer_ids and stage_engram else None
+        if post_process:
+            # REF keeps the head in fp32 and computes fp32 logits.
+            head_config = with_dtype(config, torch.float32)
+            self.output_layer = ColumnParallelLinear(text.hidden_size, self.vocab_size, config=head_config,
+                                                     init_method=config.init_method, bias=False,
+                                                     skip_bias_add=False, gather_output=not parallel_output,
+                                                     tp_group=self.tp_group)
 
     def set_input_tensor(self, input_tensor: Any) -> None:
-        """Pipeline hook; the CSA2 stack runs on one pipeline stage, so there is never an input tensor."""
-        if input_tensor is not None and not (isinstance(input_tensor, list) and input_tensor[0] is None):
-            raise ValueError("DSV41MegatronModel runs without pipeline parallelism")
+        """Pipeline hook: the previous stage's payload (a list of one tensor from the schedule)."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"DSV41MegatronModel expects one input tensor per stage, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
 
     def tokens(self, input_ids: torch.Tensor, embeddings: torch.Tensor, *, token_types: Optional[torch.Tensor] = None,
                packed_seq_params: Any = None, padding_mask: Optional[torch.Tensor] = None) -> CSA2Tokens:
         """Per-micro-batch constants: token layout, image mask and every Engram layer's row ids."""
         image_mask = token_types >= 0 if token_types is not None else None
+        if embeddings is None:  # a later pipeline stage: the layout only needs the [s, b] shape
+            embeddings = input_ids.transpose(0, 1)
         tokens = self.decoder.build_tokens(embeddings, packed_seq_params=packed_seq_params,
                                            padding_mask=padding_mask, image_mask=image_mask)
         if self.engram_hasher is None:
@@ -78,12 +96,20 @@ class DSV41MegatronModel(KeepFP32, LanguageModule):
                 labels: Optional[torch.Tensor] = None, *, token_types: Optional[torch.Tensor] = None,
                 packed_seq_params: Any = None, padding_mask: Optional[torch.Tensor] = None,
                 **_unused: Any) -> torch.Tensor:
-        """input_ids [b, s] -> logits [b, s, V] (fp32), or the per-token LM loss [b, s] when labels are given."""
-        embeddings = decoder_input if decoder_input is not None else self.embedding(input_ids, position_ids)
+        """input_ids [b, s] -> logits [b, s, V] (fp32), or the per-token LM loss [b, s] when labels are given.
+
+        A stage without post_process returns the pipeline payload for the next stage instead.
+        """
+        if decoder_input is not None or not self.pre_process:
+            embeddings = decoder_input
+        else:
+            embeddings = self.embedding(input_ids, position_ids)
         tokens = self.tokens(input_ids, embeddings, token_types=token_types, packed_seq_params=packed_seq_params,
                              padding_mask=padding_mask)
         hidden = self.decoder(embeddings, attention_mask, packed_seq_params=packed_seq_params,
-                              padding_mask=padding_mask, csa2_tokens=tokens)  # [s, b, h]
+                              padding_mask=padding_mask, csa2_tokens=tokens)  # [s, b, h] (payload mid-pipeline)
+        if not self.post_process:
+            return hidden
         logits, _ = self.output_layer(hidden.float())  # [s, b, V]
         if labels is None:
             return logits.transpose(0, 1).contiguous()

@@ -72,12 +72,24 @@ class DSV41ModelProvider:
 
     def provide(self, pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
                 vp_stage: Optional[int] = None):
-        """Build the model on this rank (the whole stack: pipeline parallelism is not supported)."""
+        """Build this rank's pipeline stage (the whole stack at PP = 1); None = from `parallel_state`."""
+        from megatron.core import parallel_state
+
         from dsv4flash.integrations.mcore.csa2.model import DSV41MegatronModel
         from dsv4flash.integrations.mcore.csa2.specs import get_csa2_block_spec
 
-        if pre_process is False or post_process is False or vp_stage not in (None, 0):
-            raise ValueError("DSV41ModelProvider builds the whole stack on one pipeline stage")
+        if vp_stage not in (None, 0):
+            raise ValueError("DSV41ModelProvider: virtual pipeline stages are not supported (vp_stage must be "
+                             "None; use the non-interleaved 1F1B schedule)")
         config = self.transformer_config()
+        pipelined = config.pipeline_model_parallel_size > 1
+        if pre_process is None:
+            pre_process = parallel_state.is_pipeline_first_stage() if pipelined else True
+        if post_process is None:
+            post_process = parallel_state.is_pipeline_last_stage() if pipelined else True
+        if not pipelined and not (pre_process and post_process):
+            raise ValueError("DSV41ModelProvider: pre_process/post_process False needs pipeline parallelism "
+                             "(pipeline_model_parallel_size > 1)")
         spec = get_csa2_block_spec(config, backend=self.backend, engram=self.engram)
-        return DSV41MegatronModel(config, spec, parallel_output=self.parallel_output)
+        return DSV41MegatronModel(config, spec, parallel_output=self.parallel_output, pre_process=pre_process,
+                                  post_process=post_process)

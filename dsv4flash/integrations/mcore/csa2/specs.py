@@ -97,9 +97,19 @@ def get_csa2_layer_spec(config: Any, layer_id: int, *, backend: str = "local", m
 
 
 def get_csa2_block_spec(config: Any, *, backend: str = "local", moe_grouped_gemm: Optional[bool] = None,
-                        engram: Optional[Any] = None) -> TransformerBlockSubmodules:
-    """Per-layer specs of the whole stack and the final norm, for `CSA2TransformerBlock(config, spec)`."""
+                        engram: Optional[Any] = None, vp_stage: Optional[int] = None,
+                        pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """Per-layer specs of this pipeline stage's layers (all at PP = 1) and the final norm, for
+    `CSA2TransformerBlock(config, spec)`; the split is megatron-core's (`get_transformer_layer_offset`,
+    `get_num_layers_to_build`: even, first/last-stage counts or `pipeline_model_parallel_layout`)."""
     grouped = config.moe_grouped_gemm if moe_grouped_gemm is None else moe_grouped_gemm
+    first, count = 0, config.num_layers
+    if config.pipeline_model_parallel_size > 1:
+        from megatron.core.transformer.transformer_block import get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        first = get_transformer_layer_offset(config, vp_stage, pp_rank)
+        count = get_num_layers_to_build(config, vp_stage, pp_rank)
     layers = [get_csa2_layer_spec(config, i, backend=backend, moe_grouped_gemm=grouped, engram=engram)
-              for i in range(config.num_layers)]
+              for i in range(first, first + count)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=backend_modules(backend)["norm"])

@@ -17,6 +17,8 @@ every Megatron parameter and persistent buffer was written exactly once.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -80,10 +82,42 @@ def _megatron_name(pair: NamePair, ep_rank: int, local_experts: int, names) -> s
     return f"{head}{tail}{local}"
 
 
+def _first_layer(model: torch.nn.Module) -> int:
+    """Global index of the stage's first layer (0 without pipeline parallelism)."""
+    layers = model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def _stage_name(name: str, model: torch.nn.Module) -> str | None:
+    """A full-stack Megatron name on this pipeline stage (local layer index), or None if it lives elsewhere."""
+    layers = model.decoder.layers
+    if name.startswith("decoder.layers."):
+        index, _, rest = name[len("decoder.layers."):].partition(".")
+        local = int(index) - _first_layer(model)
+        return f"decoder.layers.{local}.{rest}" if 0 <= local < len(layers) else None
+    if name.startswith("embedding.") and not getattr(model, "pre_process", True):
+        return None
+    if (name.startswith("output_layer.") or name.startswith("decoder.final_layernorm.")) and not getattr(
+            model, "post_process", True):
+        return None
+    return name
+
+
+def global_name(name: str, model: torch.nn.Module) -> str:
+    """A parameter name of this pipeline stage with the layer index of the whole stack (the names of
+    `name_map` and of distributed checkpoints); any prefix before `decoder.layers.` is kept."""
+    head, sep, tail = name.partition("decoder.layers.")
+    if not sep:
+        return name
+    index, _, rest = tail.partition(".")
+    return f"{head}decoder.layers.{int(index) + _first_layer(model)}.{rest}"
+
+
 @torch.no_grad()
 def load_reference_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, tp_rank: int = 0,
                          tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> None:
-    """Copy a reference (release-named) state dict into a `DSV41MegatronModel` on one TP/EP rank."""
+    """Copy a reference (release-named) state dict into a `DSV41MegatronModel` on one TP/EP rank and
+    pipeline stage (a stage takes its own layers, the first the embedding, the last the norm and head)."""
     cfg = model.config.dsv4
     targets = dict(model.named_parameters())
     targets.update({n: b for n, b in model.named_buffers() if b is not None})
@@ -92,7 +126,10 @@ def load_reference_state(model: torch.nn.Module, state: Mapping[str, torch.Tenso
     written: set[str] = set()
     through_state_dict: dict[str, torch.Tensor] = {}  # tensors held outside parameters()/buffers() (host tables)
     for pair in name_map(cfg):
-        name = _megatron_name(pair, ep_rank, local_experts, targets)
+        name = _stage_name(pair.megatron, model)
+        if name is None:
+            continue
+        name = _megatron_name(dataclasses.replace(pair, megatron=name), ep_rank, local_experts, targets)
         if name is None:
             continue
         missing = [r for r in pair.reference if r not in state]
