@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4flash.lora_math import SlotStacks, o_proj_lora_delta, slot_grouped_lora_delta, slot_lora_delta
-from dsv4flash.lora_math.rope import cos_sin_cache
+from dsv4flash.lora.serving import SlotStacks, o_proj_lora_delta, slot_grouped_lora_delta, slot_lora_delta
+from dsv4flash.lora.serving.rope import cos_sin_cache
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from dsv4flash.lora_math import cos_sin_cache, grouped_o_proj_base, inverse_rope_heads, split_groups
+from dsv4flash.lora.serving import cos_sin_cache, grouped_o_proj_base, inverse_rope_heads, split_groups
 
 pytestmark = [pytest.mark.gpu, pytest.mark.upstream]
 H, HD, ROPE, G, OUT_G = 64, 512, 64, 8, 1024

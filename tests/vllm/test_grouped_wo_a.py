@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4flash.lora import LoraConfig, apply_lora
-from dsv4flash.lora_math import cos_sin_cache, grouped_o_proj_base, inverse_rope_heads, split_groups
+from dsv4flash.lora.serving import cos_sin_cache, grouped_o_proj_base, inverse_rope_heads, split_groups
 from dsv4flash.model.rope import rope_frequencies
 from tests.vllm import _vllm_helpers as vh
 from tests.vllm._twins import applied, stock
@@ -116,7 +116,7 @@ def test_adapter_layouts_and_tensor_parallel_groups(patch_form, vllm_cpu, adapte
     refs, _ = adapters
     attn = refs["shared_a"]
     w = attn.wo_a
-    from dsv4flash.lora_math import grouped_factors
+    from dsv4flash.lora.serving import grouped_factors
 
     a, b = grouped_factors(w.lora_A.detach(), w.lora_B.detach(), w.groups, w.rank)
     full = vh.wrap(vh.grouped_wo_a(w.weight.detach().clone(), w.groups), rank=8)

@@ -1,4 +1,4 @@
-"""The pure-torch serving math (`dsv4flash.lora_math`) against the reference model with LoRA applied."""
+"""The pure-torch serving math (`dsv4flash.lora.serving`) against the reference model with LoRA applied."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv4flash.lora import LoraConfig, apply_lora
-from dsv4flash.lora_math import (SlotStacks, compressor_kv_score, cos_sin_cache, grouped_factors,
+from dsv4flash.lora.serving import (SlotStacks, compressor_kv_score, cos_sin_cache, grouped_factors,
                                  grouped_o_proj_base, grouped_o_proj_fp8_base, inverse_rope_heads, o_proj_lora_delta,
                                  slice_groups, slot_grouped_lora_delta, slot_lora_delta, split_groups)
 from dsv4flash.model.rope import apply_rope, rope_frequencies

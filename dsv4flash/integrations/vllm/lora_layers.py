@@ -3,7 +3,7 @@
 Stock vLLM wraps `attn.wo_a` (a `ColumnParallelLinear` tagged `is_bmm`) and the compressor's
 `fused_wkv_wgate` in generic LoRA layers, but the kernels that use them never call the wrapper, so the
 adapter silently does nothing (upstream.md §3.3, P18). These classes hold the adapter stacks in the
-layout our pure-torch math expects (`dsv4flash.lora_math`) and expose the delta; the patched call sites
+layout our pure-torch math expects (`dsv4flash.lora.serving`) and expose the delta; the patched call sites
 (`patches/grouped_wo_a.py`, `patches/compressor.py`) add it where the base GEMM runs.
 
 Importing this module imports vLLM; `dsv4flash.integrations.vllm.register()` does it lazily.
@@ -16,7 +16,7 @@ from torch import nn
 from vllm.lora.layers.column_parallel_linear import ColumnParallelLinearWithLoRA, MergedColumnParallelLinearWithLoRA
 from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear
 
-from dsv4flash.lora_math import SlotStacks, compressor_lora_delta, grouped_factors, o_proj_lora_delta, slice_groups
+from dsv4flash.lora.serving import SlotStacks, compressor_lora_delta, grouped_factors, o_proj_lora_delta, slice_groups
 
 COMPRESSOR_SUFFIX = "compressor.fused_wkv_wgate"
 

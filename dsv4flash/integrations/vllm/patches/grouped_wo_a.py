@@ -9,7 +9,7 @@ permutes `wq_b` rows and `wo_a` columns in place, so stock LoRA deltas land on t
 
 How: put `GroupedOutputProjectionWithLoRA` first in `vllm.lora.utils._all_lora_classes`; it stores per-group
 stacks (per-group or shared-A adapters, TP-sliced by group) and computes the block-diagonal delta of the
-un-rotated, unquantised attention output (`dsv4flash.lora_math`). `dsv41_o_proj` adds that delta to `z`
+un-rotated, unquantised attention output (`dsv4flash.lora.serving`). `dsv41_o_proj` adds that delta to `z`
 before `wo_b` (through its `wo_b_proj` hook) and skips the fused small-batch WO-A kernel, whose FP8 `z` cannot
 take an addend. With LoRA enabled the mega-attention backend reports itself unavailable (default selection
 falls back to FlashMLA) and refuses an explicit selection.

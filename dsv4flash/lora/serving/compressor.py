@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dsv4flash.lora_math.multi_adapter import SlotStacks, slot_lora_delta
+from dsv4flash.lora.serving.multi_adapter import SlotStacks, slot_lora_delta
 
 
 def compressor_lora_delta(x: torch.Tensor, token_slots: torch.Tensor, slices: Sequence[SlotStacks | None],

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4flash.lora_math.multi_adapter import SlotStacks, slot_grouped_lora_delta
-from dsv4flash.lora_math.rope import inverse_rope_heads
+from dsv4flash.lora.serving.multi_adapter import SlotStacks, slot_grouped_lora_delta
+from dsv4flash.lora.serving.rope import inverse_rope_heads
 from dsv4flash.model.quant import E4M3_MAX, pow2_scale
 
 

@@ -14,21 +14,21 @@ Single-adapter math (`lora_forward`, `grouped_lora_forward`, …) lives in `dsv4
 reused, never restated.
 """
 
-from dsv4flash.lora_math.compressor import compressor_kv_score, compressor_lora_delta
-from dsv4flash.lora_math.multi_adapter import (
+from dsv4flash.lora.serving.compressor import compressor_kv_score, compressor_lora_delta
+from dsv4flash.lora.serving.multi_adapter import (
     SlotStacks,
     grouped_factors,
     slot_grouped_lora_delta,
     slot_lora_delta,
     slice_groups,
 )
-from dsv4flash.lora_math.o_proj import (
+from dsv4flash.lora.serving.o_proj import (
     grouped_o_proj_base,
     grouped_o_proj_fp8_base,
     o_proj_lora_delta,
     split_groups,
 )
-from dsv4flash.lora_math.rope import cos_sin_cache, inverse_rope_heads
+from dsv4flash.lora.serving.rope import cos_sin_cache, inverse_rope_heads
 
 __all__ = [
     "SlotStacks", "grouped_factors", "slot_grouped_lora_delta", "slot_lora_delta", "slice_groups",
