@@ -1,9 +1,19 @@
-"""`python -m dsv4flash.smoke`: build the tiny reference model, run a multimodal forward+backward, report."""
+"""`dsv4flash smoke` (or `python -m dsv4flash.cli.smoke`): build the tiny reference model, run a multimodal forward+backward, report."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`dsv4flash smoke` takes no arguments."""
+
+
+def run(args: argparse.Namespace) -> int:
+    """`dsv4flash smoke`."""
+    return main()
 
 
 def main() -> int:

@@ -1,4 +1,8 @@
-"""`dsv4flash` console script: one subcommand per concern, each module imported only when used."""
+"""`dsv4flash` console script: one subcommand per concern, each module imported only when used.
+
+The package holds the front ends that belong to no single subsystem (`census`, `patches`, `smoke`); the
+subsystems keep their own (`dsv4flash_bridge.cli`, `dsv4flash.lifecycle.cli`, `dsv4flash.service.protocol.serve`).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,11 @@ import sys
 
 # name -> (module, one-line help). Each module defines `add_arguments(parser)` and `run(args) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "census": ("dsv4flash.census_cli", "print or check the release tensor census of a config"),
+    "census": ("dsv4flash.cli.census", "print or check the release tensor census of a config"),
     "convert": ("dsv4flash_bridge.cli", "convert checkpoints between the release layout and BF16/FP32"),
-    "patches": ("dsv4flash.patches_cli", "list, check, apply and audit the upstream patch series"),
+    "patches": ("dsv4flash.cli.patches", "list, check, apply and audit the upstream patch series"),
     "lifecycle": ("dsv4flash.lifecycle.cli", "adapter store: list policies, show/log revisions, tag, rollback, gc, export"),
+    "smoke": ("dsv4flash.cli.smoke", "tiny multimodal forward+backward and the flash census (a quick install check)"),
     "serve": ("dsv4flash.service.protocol.serve", "Tinker-protocol HTTP server over the policy service; `keys add`"),
 }
 

@@ -86,7 +86,7 @@ def find_patches_dir(explicit: Path | None) -> Path:
             raise SeriesError(f"--patches-dir {explicit} is not a directory")
         return explicit.resolve()
     here = Path.cwd().resolve()
-    for d in (here, *here.parents, Path(__file__).resolve().parents[1]):
+    for d in (here, *here.parents, Path(__file__).resolve().parents[2]):
         if any((d / "patches").glob("*/base.txt")):
             return d / "patches"
     raise SeriesError("no patches/ folder with */base.txt found; run inside the dsv4flash checkout or pass --patches-dir")
