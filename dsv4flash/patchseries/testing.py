@@ -110,7 +110,7 @@ def _twin(patch_id: str):
     """The registered runtime twin for a Patch-Id (all twins discovered)."""
     from dsv4flash import _patching
 
-    return _patching.discover().get(patch_id)
+    return _patching.discover(os.environ.get("DSV4FLASH_TWIN_PACKAGE") or _patching.TWIN_PACKAGE_ROOT).get(patch_id)
 
 
 def _upstream_module(twin) -> Any:
