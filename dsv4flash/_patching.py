@@ -247,24 +247,37 @@ class RuntimePatch:
             log.info("%s applied to %s %s", self.meta.patch_id, self.meta.distribution, version)
             return Outcome.APPLIED
 
+    def applied_dependents(self) -> list["RuntimePatch"]:
+        """Applied twins of the registry whose Depends-On names this one (they may stack on its replacements)."""
+        return [t for t in REGISTRY.all() if self.meta.patch_id in t.meta.depends_on and t.applied]
+
     def revert(self) -> None:
-        """Uninstall the twin (no-op if not applied)."""
+        """Uninstall the twin (no-op if not applied); applied dependents are reverted first.
+
+        A dependent may replace the same attribute again on top of this twin's replacement; undoing this
+        one first would put the stock attribute back under a dependent that still counts as applied.
+        """
         with self._lock:
+            for dependent in self.applied_dependents():
+                dependent.revert()
             if self._patcher is not None:
                 self._patcher.undo()
                 self._patcher = None
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
-        """Run a block against stock upstream: revert if applied, re-apply afterwards."""
+        """Run a block against stock upstream: revert if applied (dependents too), re-apply all afterwards."""
         with self._lock:
             was_applied = self.applied
+            dependents = self.applied_dependents()
             self.revert()
             try:
                 yield
             finally:
                 if was_applied:
                     self.apply(mode="on")
+                for dependent in dependents:
+                    dependent.apply(mode="on")
 
 
 class Registry:

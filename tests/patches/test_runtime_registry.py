@@ -137,6 +137,20 @@ def test_reload_keeps_the_applied_state(fake):
     assert fakeup.core.answer() == 41
 
 
+def test_revert_and_suspend_take_stacked_dependents_along(fake):
+    base = _twin(fake, "FAKE-001")
+    top = _twin(fake, "FAKE-002", returns=43, depends_on=("FAKE-001",))
+    import fakeup.core
+
+    original = fakeup.core.answer
+    assert top.apply() is Outcome.APPLIED and base.applied and fakeup.core.answer() == 43  # same attribute twice
+    with base.suspended():
+        assert fakeup.core.answer is original and not top.applied
+    assert base.applied and top.applied and fakeup.core.answer() == 43
+    base.revert()
+    assert not top.applied and fakeup.core.answer is original
+
+
 def test_obsolete_evaluates_remove_when(fake):
     twin = _twin(fake)
     assert twin.obsolete() is False  # fakeup 1.0 installed, Remove-When fakeup>=2.0
@@ -158,8 +172,13 @@ def test_real_mcore_twin_via_register(monkeypatch):
         assert mcore.register()["DSV41-MCORE-001"] is Outcome.DISABLED
         assert TopKRouter.__dict__["_apply_expert_bias"] is stock
         monkeypatch.delenv("DSV4FLASH_MCORE_EXPERT_BIAS_PADDING")
-        assert mcore.register()["DSV41-MCORE-001"] is Outcome.APPLIED
-        assert getattr(TopKRouter.__dict__["_apply_expert_bias"], _patching.MARKER) == "DSV41-MCORE-001"
+        outcomes = mcore.register()
+        assert outcomes["DSV41-MCORE-001"] is Outcome.APPLIED
+        # DSV41-MCORE-004 (Depends-On 001) stacks its per-modality count on top of 001's row fix.
+        assert getattr(TopKRouter.__dict__["_apply_expert_bias"], _patching.MARKER) == "DSV41-MCORE-004"
         assert mcore.register()["DSV41-MCORE-001"] is Outcome.ALREADY_APPLIED
-        twin.revert()
+        twin.revert()  # dependents first, so nothing stays stacked on a reverted twin
         assert TopKRouter.__dict__["_apply_expert_bias"] is stock
+        assert not any(_patching.REGISTRY.get(pid).applied for pid in ("DSV41-MCORE-003", "DSV41-MCORE-004"))
+        for pid in outcomes:
+            _patching.REGISTRY.get(pid).revert()
