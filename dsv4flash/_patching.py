@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import importlib
+import importlib.util
 import inspect
 import logging
 import os
@@ -105,6 +106,7 @@ class Patcher:
 
     patch_id: str
     replaced: list[_Replacement] = field(default_factory=list)
+    provided: list[str] = field(default_factory=list)
 
     def replace(self, owner: Any, name: str, value: Any) -> None:
         """Set `owner.name = value` (value is tagged with the Patch-Id); no-op if already this patch's."""
@@ -123,14 +125,36 @@ class Patcher:
         self.replaced.append(_Replacement(owner, name, current if had_own else None, had_own))
         setattr(owner, name, value)
 
+    def provide_module(self, name: str, module: Any) -> None:
+        """Make `import name` return `module`: a module the format-patch adds upstream; `undo` removes it."""
+        current = sys.modules.get(name)
+        if current is not None and getattr(current, MARKER, None) == self.patch_id:
+            return
+        parent, _, leaf = name.rpartition(".")
+        package = importlib.import_module(parent)
+        if current is not None or importlib.util.find_spec(name) is not None:
+            raise AttributeError(f"{self.patch_id}: {name} already exists in the installed upstream; the twin "
+                                 "would shadow it (see the twin's Remove-When)")
+        setattr(module, MARKER, self.patch_id)
+        sys.modules[name] = module
+        self.provided.append(name)
+        self.replace_missing(package, leaf, module)
+
+    def replace_missing(self, owner: Any, name: str, value: Any) -> None:
+        """Set a new attribute `owner.name = value` that upstream lacks; `undo` deletes it."""
+        self.replaced.append(_Replacement(owner, name, None, False))
+        setattr(owner, name, value)
+
     def undo(self) -> None:
-        """Restore every replaced attribute, newest first."""
+        """Restore every replaced attribute and drop every provided module, newest first."""
         while self.replaced:
             rep = self.replaced.pop()
             if rep.had_own:
                 setattr(rep.owner, rep.name, rep.original)
             else:
                 delattr(rep.owner, rep.name)
+        while self.provided:
+            sys.modules.pop(self.provided.pop(), None)
 
 
 class RuntimePatch:
