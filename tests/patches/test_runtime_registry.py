@@ -151,6 +151,28 @@ def test_revert_and_suspend_take_stacked_dependents_along(fake):
     assert not top.applied and fakeup.core.answer is original
 
 
+def test_provide_module_adds_and_removes_a_new_upstream_module(fake):
+    import types
+
+    _twin(fake)
+    import fakeup
+
+    patcher = _patching.Patcher("FAKE-001")
+    extra = types.ModuleType("fakeup.extra")
+    extra.value = 7
+    patcher.provide_module("fakeup.extra", extra)
+    patcher.provide_module("fakeup.extra", extra)  # idempotent
+    from fakeup.extra import value
+
+    assert value == 7 and fakeup.extra is extra
+    with pytest.raises(AttributeError, match="fakeup.core already exists in the installed upstream"):
+        patcher.provide_module("fakeup.core", types.ModuleType("fakeup.core"))
+    patcher.undo()
+    assert "fakeup.extra" not in sys.modules and not hasattr(fakeup, "extra")
+    with pytest.raises(ImportError):
+        importlib.import_module("fakeup.extra")
+
+
 def test_obsolete_evaluates_remove_when(fake):
     twin = _twin(fake)
     assert twin.obsolete() is False  # fakeup 1.0 installed, Remove-When fakeup>=2.0
