@@ -204,3 +204,17 @@ def test_real_mcore_twin_via_register(monkeypatch):
         assert not any(_patching.REGISTRY.get(pid).applied for pid in ("DSV41-MCORE-003", "DSV41-MCORE-004"))
         for pid in outcomes:
             _patching.REGISTRY.get(pid).revert()
+
+
+PATCH_ID = "DSV41-MCORE-004"  # the both-forms harness test below: a twin with two Depends-On
+
+
+def test_patch_form_reverts_the_dependencies_it_applied(patch_form, mcore_parallel):
+    registry = _patching.discover()
+    if patch_form.name == "runtime":
+        assert all(registry.get(pid).applied for pid in ("DSV41-MCORE-001", "DSV41-MCORE-003", PATCH_ID))
+    patch_form.record("form_ran", True)
+
+
+def test_no_twin_is_left_applied_after_a_both_forms_test():
+    assert [t.meta.patch_id for t in _patching.discover().all() if t.applied] == []

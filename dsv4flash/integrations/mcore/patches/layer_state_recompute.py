@@ -290,7 +290,9 @@ def upstream_carries_layer_state() -> bool:
     hidden = torch.ones(1, 1, 1, requires_grad=True)
     try:
         out = recompute.checkpointed_forward(stack, hidden, None, None, None, None, None, None, False)
-    except (TypeError, RuntimeError):  # 0.19.x: the tuple reaches save_for_backward
+    except TypeError:  # 0.19.x: the tuple reaches save_for_backward
+        return False
+    except (RuntimeError, AssertionError):  # no CUDA RNG to checkpoint with: cannot tell, keep the twin
         return False
     return out.item() == 4.0
 
