@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import importlib
+import importlib.util
 import inspect
 import logging
 import os
@@ -105,6 +106,7 @@ class Patcher:
 
     patch_id: str
     replaced: list[_Replacement] = field(default_factory=list)
+    provided: list[str] = field(default_factory=list)
 
     def replace(self, owner: Any, name: str, value: Any) -> None:
         """Set `owner.name = value` (value is tagged with the Patch-Id); no-op if already this patch's."""
@@ -123,14 +125,36 @@ class Patcher:
         self.replaced.append(_Replacement(owner, name, current if had_own else None, had_own))
         setattr(owner, name, value)
 
+    def provide_module(self, name: str, module: Any) -> None:
+        """Make `import name` return `module`: a module the format-patch adds upstream; `undo` removes it."""
+        current = sys.modules.get(name)
+        if current is not None and getattr(current, MARKER, None) == self.patch_id:
+            return
+        parent, _, leaf = name.rpartition(".")
+        package = importlib.import_module(parent)
+        if current is not None or importlib.util.find_spec(name) is not None:
+            raise AttributeError(f"{self.patch_id}: {name} already exists in the installed upstream; the twin "
+                                 "would shadow it (see the twin's Remove-When)")
+        setattr(module, MARKER, self.patch_id)
+        sys.modules[name] = module
+        self.provided.append(name)
+        self.replace_missing(package, leaf, module)
+
+    def replace_missing(self, owner: Any, name: str, value: Any) -> None:
+        """Set a new attribute `owner.name = value` that upstream lacks; `undo` deletes it."""
+        self.replaced.append(_Replacement(owner, name, None, False))
+        setattr(owner, name, value)
+
     def undo(self) -> None:
-        """Restore every replaced attribute, newest first."""
+        """Restore every replaced attribute and drop every provided module, newest first."""
         while self.replaced:
             rep = self.replaced.pop()
             if rep.had_own:
                 setattr(rep.owner, rep.name, rep.original)
             else:
                 delattr(rep.owner, rep.name)
+        while self.provided:
+            sys.modules.pop(self.provided.pop(), None)
 
 
 class RuntimePatch:
@@ -247,24 +271,37 @@ class RuntimePatch:
             log.info("%s applied to %s %s", self.meta.patch_id, self.meta.distribution, version)
             return Outcome.APPLIED
 
+    def applied_dependents(self) -> list["RuntimePatch"]:
+        """Applied twins of the registry whose Depends-On names this one (they may stack on its replacements)."""
+        return [t for t in REGISTRY.all() if self.meta.patch_id in t.meta.depends_on and t.applied]
+
     def revert(self) -> None:
-        """Uninstall the twin (no-op if not applied)."""
+        """Uninstall the twin (no-op if not applied); applied dependents are reverted first.
+
+        A dependent may replace the same attribute again on top of this twin's replacement; undoing this
+        one first would put the stock attribute back under a dependent that still counts as applied.
+        """
         with self._lock:
+            for dependent in self.applied_dependents():
+                dependent.revert()
             if self._patcher is not None:
                 self._patcher.undo()
                 self._patcher = None
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
-        """Run a block against stock upstream: revert if applied, re-apply afterwards."""
+        """Run a block against stock upstream: revert if applied (dependents too), re-apply all afterwards."""
         with self._lock:
             was_applied = self.applied
+            dependents = self.applied_dependents()
             self.revert()
             try:
                 yield
             finally:
                 if was_applied:
                     self.apply(mode="on")
+                for dependent in dependents:
+                    dependent.apply(mode="on")
 
 
 class Registry:

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from dsv4flash import _patching
 from dsv4flash.patchseries import check as check_mod
-from dsv4flash.patchseries import fetch, gitops, index, predicate
+from dsv4flash.patchseries import fetch, gitops, index, predicate, testrun
 from dsv4flash.patchseries.series import UPSTREAM_FOLDERS, Problem, Series, SeriesError, load_series
 
 
@@ -100,8 +100,9 @@ def _load(args: argparse.Namespace) -> tuple[Path, dict[str, Series]]:
 def _print_problems(console: Console, problems: list[Problem]) -> None:
     for prob in problems:
         style = "red" if prob.severity == "error" else "yellow"
-        console.print(f"[{style}]{prob.severity}[/{style}] {prob.where}: {prob.message}", markup=True,
-                      highlight=False)
+        # Messages quote test ids such as `test_x[series]`: escaped, or rich would take them for markup.
+        console.print(f"[{style}]{prob.severity}[/{style}] {escape(prob.where)}: {escape(prob.message)}",
+                      markup=True, highlight=False)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -156,13 +157,11 @@ def cmd_check(args: argparse.Namespace) -> int:
                                  log=lambda line: console.print(line, highlight=False, markup=False))
     for path in index.stale_files(patches_dir, series_map):
         report.problems.append(Problem(str(path), "generated file is stale; run `dsv4flash patches index`"))
-    if args.run_tests and report.ok:
-        tests = sorted({t for s in series_map.values() for p in s.patches for t in p.many("Tests")})
-        if tests:
-            console.print(f"running {len(tests)} test file(s) for both forms", highlight=False)
-            proc = subprocess.run([sys.executable, "-m", "pytest", "-q", *tests], cwd=patches_dir.parent)
-            if proc.returncode != 0:
-                report.problems.append(Problem("Tests", f"pytest exited with {proc.returncode}"))
+    if args.run_tests:
+        chosen = {n: s for n, s in series_map.items() if not args.upstream or n in args.upstream}
+        files = {t for s in chosen.values() for p in s.patches for t in p.many("Tests")}
+        console.print(f"running {len(files)} test file(s) for both forms", highlight=False)
+        report.problems += testrun.check_tests(chosen, patches_dir.parent, args.twin_package)
     _print_problems(console, report.problems)
     if args.json:
         args.json.write_text(json.dumps({

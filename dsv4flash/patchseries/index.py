@@ -75,6 +75,26 @@ def render_readme(series_map: dict[str, Series]) -> str:
         out.append("| – | – | no patches yet | – | – | – | – | – | – | – |")
     out += [
         "",
+        "## Required changes",
+        "",
+        "What each series must hold (`[[required]]` in its base.txt); `dsv4flash patches check` fails while one "
+        "is missing.",
+        "",
+        "| Folder | Patch-Id | Concern | Patch |",
+        "|---|---|---|---|",
+    ]
+    required = 0
+    for name, s in series_map.items():
+        by_id = s.by_id()
+        for r in s.base.required:
+            required += 1
+            patch = by_id.get(r.patch_id)
+            cell = f"[{patch.name}]({name}/{patch.name})" if patch else "**missing**"
+            out.append(f"| `{name}/` | `{r.patch_id}` | {_cell(r.concern)} | {cell} |")
+    if not required:
+        out.append("| – | – | nothing required yet | – |")
+    out += [
+        "",
         "## Using the series",
         "",
         "```bash",
@@ -114,8 +134,17 @@ def render_series_toml(series_map: dict[str, Series]) -> str:
             f"artifact = {_toml(b.artifact)}",
             f"sha256 = {_toml(b.sha256)}",
             f"order = {_toml([p.patch_id for p in s.patches])}",
+            f"required = {_toml([r.patch_id for r in b.required])}",
+            f"missing = {_toml([r.patch_id for r in b.required if r.patch_id not in s.by_id()])}",
             "",
         ]
+        for r in b.required:
+            out += [
+                f"[[{_key(name)}.required]]",
+                f"id = {_toml(r.patch_id)}",
+                f"concern = {_toml(r.concern)}",
+                "",
+            ]
         for p in s.patches:
             out += [
                 f"[[{_key(name)}.patch]]",

@@ -32,6 +32,11 @@ STATUS_NEEDS_NOTE = ("Submitted", "Accepted", "Denied", "Inappropriate")
 FORWARDED_RE = re.compile(r"^(no|not-needed|https?://\S+)$")
 PATCH_NAME_RE = re.compile(r"^(?P<num>\d{4})-[a-z0-9][a-z0-9._-]*\.patch$")
 TRAILER_LINE_RE = re.compile(r"^(?P<key>[A-Za-z0-9][A-Za-z0-9-]*):\s*(?P<value>.*)$")
+# An added line that makes upstream code depend on this project (plain, from- and importlib imports).
+PROJECT_IMPORT_RE = re.compile(
+    r"^\s*(?:import\s+dsv4flash\w*|from\s+dsv4flash\w*(?:\.[\w.]+)?\s+import\b|.*\bimport_module\(\s*['\"]dsv4flash)"
+)
+BOTH_FORMS_RE = re.compile(r"^PATCH_ID\s*=\s*['\"](?P<id>[^'\"]+)['\"]", re.M)
 
 
 class SeriesError(ValueError):
@@ -51,6 +56,14 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class Required:
+    """One change a folder's series must hold (`[[required]]` in base.txt): its Patch-Id and concern."""
+
+    patch_id: str
+    concern: str
+
+
+@dataclass(frozen=True)
 class Base:
     """`base.txt`: the pinned upstream release a folder's patches are made against."""
 
@@ -64,6 +77,7 @@ class Base:
     packages: tuple[str, ...]
     repo_prefix: str = ""
     git: str = ""
+    required: tuple[Required, ...] = ()
 
     @property
     def is_wheel(self) -> bool:
@@ -101,8 +115,24 @@ def load_base(folder: Path) -> Base:
         folder=folder.name, path=path, target=str(data["target"]), distribution=str(data["distribution"]),
         version=str(data["version"]), artifact=str(data["artifact"]), sha256=str(data["sha256"]),
         packages=tuple(str(p).strip("/") for p in data["packages"]), repo_prefix=prefix,
-        git=str(data.get("git", "")),
+        git=str(data.get("git", "")), required=_load_required(path, data.get("required", [])),
     )
+
+
+def _load_required(path: Path, entries) -> tuple[Required, ...]:
+    """`[[required]]` tables (`id`, `concern`): the changes the series must contain, in order."""
+    if not isinstance(entries, list):
+        raise SeriesError(f"{path}: required must be an array of tables ([[required]] with id and concern)")
+    out: list[Required] = []
+    for n, entry in enumerate(entries, 1):
+        if not isinstance(entry, dict) or not entry.get("id") or not entry.get("concern"):
+            raise SeriesError(f"{path}: [[required]] entry {n} needs a non-empty id and concern, got {entry!r}")
+        if not PATCH_ID_RE.match(str(entry["id"])):
+            raise SeriesError(f"{path}: [[required]] entry {n}: id {entry['id']!r} must look like DSV41-MCORE-001")
+        if any(r.patch_id == entry["id"] for r in out):
+            raise SeriesError(f"{path}: [[required]] lists {entry['id']} twice")
+        out.append(Required(str(entry["id"]), " ".join(str(entry["concern"]).split())))
+    return tuple(out)
 
 
 @dataclass
@@ -263,6 +293,7 @@ def validate(
         if name not in series_map:
             problems.append(Problem(f"patches/{name}", "folder or its base.txt is missing"))
     for series in series_map.values():
+        problems += missing_required(series)
         for index, patch in enumerate(series.patches):
             problems += _validate_patch(series, index, patch, project_root)
             where = f"{series.folder}/{patch.name}"
@@ -270,6 +301,46 @@ def validate(
                 problems.append(Problem(where, f"Patch-Id {patch.patch_id} also used by {seen_ids[patch.patch_id]}"))
             seen_ids[patch.patch_id] = where
     return problems
+
+
+def missing_required(series: Series) -> list[Problem]:
+    """One error per `[[required]]` change of base.txt that no patch of the folder carries."""
+    present = {p.patch_id for p in series.patches}
+    return [Problem(f"patches/{series.folder}", f"required change {r.patch_id} ({r.concern}) has no patch; "
+                                                f"base.txt lists it under [[required]]")
+            for r in series.base.required if r.patch_id not in present]
+
+
+def project_imports(patch: PatchFile) -> list[str]:
+    """`file:line` of every line the diff adds that imports dsv4flash (upstream must never depend on us)."""
+    hits, current, line_no = [], None, 0
+    for line in patch.diff.splitlines():
+        if line.startswith("+++ "):
+            current = line[6:] if line.startswith("+++ b/") else None
+        elif line.startswith("@@"):
+            match = re.match(r"^@@ -\d+(?:,\d+)? \+(\d+)", line)
+            line_no = int(match.group(1)) if match else 0
+        elif current is not None and line.startswith("+"):
+            if PROJECT_IMPORT_RE.match(line[1:]):
+                hits.append(f"{current}:{line_no}")
+            line_no += 1
+        elif current is not None and not line.startswith("-"):
+            line_no += 1
+    return hits
+
+
+def both_forms_tests(patch: PatchFile, root: Path) -> list[str]:
+    """The patch's Tests files that declare its Patch-Id and use the `patch_form` harness (both forms)."""
+    out = []
+    for test in patch.many("Tests"):
+        path = root / test.split("::")[0]
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        ids = {m.group("id") for m in BOTH_FORMS_RE.finditer(text)}
+        if patch.patch_id in ids and "patch_form" in text:
+            out.append(test)
+    return out
 
 
 def _validate_patch(series: Series, index: int, patch: PatchFile, root: Path) -> list[Problem]:
@@ -319,6 +390,13 @@ def _validate_patch(series: Series, index: int, patch: PatchFile, root: Path) ->
     for test in patch.many("Tests"):
         if not (root / test.split("::")[0]).is_file():
             out.append(Problem(where, f"Tests file {test} does not exist under {root}"))
+    existing = [t for t in patch.many("Tests") if (root / t.split("::")[0]).is_file()]
+    if existing and not both_forms_tests(patch, root):
+        out.append(Problem(where, f"no Tests file declares PATCH_ID = \"{patch.patch_id}\" with patch_form tests; "
+                                  "every patch is tested in both forms (runtime twin and patched upstream)"))
+    for hit in project_imports(patch):
+        out.append(Problem(where, f"adds an import of dsv4flash at {hit}; an upstream patch must not depend on "
+                                  "dsv4flash"))
     for sym in patch.many("Touches"):
         if touched_file(sym, patch.files, series.base.repo_prefix) is None:
             out.append(Problem(where, f"Touches {sym} is not in any file the diff changes ({', '.join(patch.files)})"))

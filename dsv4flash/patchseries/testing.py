@@ -110,7 +110,7 @@ def _twin(patch_id: str):
     """The registered runtime twin for a Patch-Id (all twins discovered)."""
     from dsv4flash import _patching
 
-    return _patching.discover().get(patch_id)
+    return _patching.discover(os.environ.get("DSV4FLASH_TWIN_PACKAGE") or _patching.TWIN_PACKAGE_ROOT).get(patch_id)
 
 
 def _upstream_module(twin) -> Any:
@@ -152,6 +152,9 @@ def patch_form(request: pytest.FixtureRequest):
             _child_records_for(request.node)["records"] = form.records
     else:
         assert not from_copy, f"runtime form must run on the stock {twin.meta.distribution}"
+        from dsv4flash import _patching
+
+        active_before = {t.meta.patch_id for t in _patching.REGISTRY.all() if t.applied}
         outcome = twin.apply(mode="auto")
         if not outcome.active:
             pytest.skip(f"runtime twin {patch_id} not applied here ({outcome.value})")
@@ -160,8 +163,10 @@ def patch_form(request: pytest.FixtureRequest):
         try:
             yield form
         finally:
-            if outcome.value == "applied":
-                twin.revert()
+            # Revert this twin and the Depends-On twins it pulled in, so no test leaves twins behind.
+            for other in reversed(_patching.REGISTRY.all()):
+                if other.applied and other.meta.patch_id not in active_before:
+                    other.revert()
             if not child:
                 _runtime_records[test_key(request.node)] = form.records
             else:

@@ -54,6 +54,26 @@ def build_wheel(dest: Path) -> Path:
     return path
 
 
+CONFTEST_PY = 'pytest_plugins = ["dsv4flash.patchseries.testing"]\n'
+BOTH_FORMS_TEST = '''\
+"""Both forms of {patch_id}: the runtime twin on the installed fakeup, and the patched fakeup copy."""
+
+PATCH_ID = "{patch_id}"
+
+
+def test_answer_is_fixed(patch_form):
+    import fakeup.core
+
+    assert fakeup.core.answer() != 41, "the unpatched answer"
+    patch_form.record("answer", fakeup.core.answer())
+'''
+
+
+def test_file(patch_id: str) -> str:
+    """The default Tests file of a fake patch (written by `FakeProject.add_patch`)."""
+    return f"tests/test_{patch_id.lower().replace('-', '_')}.py"
+
+
 def trailers(patch_id: str, **overrides: str | None) -> dict[str, str]:
     """A complete, valid trailer set for a fakeup patch; None in overrides drops a key."""
     module = f"fake_integrations.fakeup.patches.{patch_id.lower().replace('-', '_')}"
@@ -68,7 +88,7 @@ def trailers(patch_id: str, **overrides: str | None) -> dict[str, str]:
         "Gate": f"FAKEUP_{patch_id.replace('-', '_')}",
         "Depends-On": "none",
         "Remove-When": "fakeup>=2.0",
-        "Tests": "tests/test_fakeup_fix.py",
+        "Tests": test_file(patch_id),
         "Last-Update": "2026-11-29",
     }
     base.update(overrides)
@@ -104,7 +124,8 @@ class FakeProject:
             packages = ["fakeup"]
             """))
         (self.project / "tests").mkdir()
-        (self.project / "tests" / "test_fakeup_fix.py").write_text("def test_placeholder():\n    pass\n")
+        (self.project / "tests" / "conftest.py").write_text(CONFTEST_PY)
+        (self.project / "pytest.ini").write_text("[pytest]\n")  # rootdir = the project, as in dsv4flash
         self.twins = self.root / "twins"
         pkg = self.twins / "fake_integrations" / "fakeup" / "patches"
         pkg.mkdir(parents=True)
@@ -126,6 +147,8 @@ class FakeProject:
             text = path.read_text()
             assert old in text, f"{old!r} not in {rel}"
             path.write_text(text.replace(old, new, 1))
+        if tr.get("Tests") == test_file(tr.get("Patch-Id", "")):
+            (self.project / tr["Tests"]).write_text(BOTH_FORMS_TEST.format(patch_id=tr["Patch-Id"]))
         message = f"{subject}\n\n{body}\n\n" + "\n".join(f"{k}: {v}" for k, v in tr.items()) + "\n"
         gitops.git(self._repo, "commit", "-q", "-a", "-m", message)
         self._count += 1

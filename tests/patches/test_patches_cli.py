@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
 
 from dsv4flash import _patching
 from dsv4flash.cli import main
+from dsv4flash.patchseries.series import SeriesError, load_series
 from tests.patches.fake_upstream import FakeProject, run_git, trailers
 
 pytestmark = pytest.mark.patches
@@ -141,6 +143,100 @@ def test_check_flags_a_stale_generated_index(fake, capsys):
     assert "generated file is stale; run `dsv4flash patches index`" in capsys.readouterr().out
 
 
+def _require(fake: FakeProject, *ids: str) -> None:
+    """Declare `ids` as the changes the fakeup series must hold ([[required]] in base.txt)."""
+    base = fake.patches_dir / "fakeup" / "base.txt"
+    base.write_text(base.read_text() + "".join(
+        f'\n[[required]]\nid = "{pid}"\nconcern = "concern of {pid}"\n' for pid in ids))
+
+
+def test_check_fails_while_a_required_change_has_no_patch(fake, capsys):
+    _require(fake, "FAKE-001", "FAKE-002")
+    _good_series(fake)
+    assert main(fake.cli("check", *fake.offline())) == 1
+    out = capsys.readouterr().out
+    assert "required change FAKE-002 (concern of FAKE-002) has no patch" in out
+    assert "FAKE-001 (concern of FAKE-001)" not in out
+    readme = (fake.patches_dir / "README.md").read_text()
+    assert "| `fakeup/` | `FAKE-002` | concern of FAKE-002 | **missing** |" in readme
+    assert 'missing = ["FAKE-002"]' in (fake.patches_dir / "series.toml").read_text()
+    fake.add_patch("fix(core): answer 43", {"fakeup/core.py": ("return 42", "return 43")},
+                   trailers("FAKE-002", **{"Depends-On": "FAKE-001"}))
+    fake.add_twin("FAKE-002", depends_on=("FAKE-001",))
+    assert main(fake.cli("index")) == 0
+    assert main(fake.cli("check", *fake.offline())) == 0
+    assert 'missing = []' in (fake.patches_dir / "series.toml").read_text()
+
+
+def test_required_entries_are_validated(fake):
+    base = fake.patches_dir / "fakeup" / "base.txt"
+    base.write_text(base.read_text() + '\n[[required]]\nid = "FAKE-001"\n')
+    with pytest.raises(SeriesError, match=r"base.txt: \[\[required\]\] entry 1 needs a non-empty id and concern"):
+        load_series(fake.patches_dir)
+
+
+@pytest.mark.parametrize("line", [
+    "from dsv4flash.model import sparse_attention",
+    "import dsv4flash",
+    "    import dsv4flash.integrations.mcore as mc",
+    "mod = importlib.import_module('dsv4flash.model')",
+])
+def test_check_fails_on_a_patch_importing_dsv4flash(fake, capsys, line):
+    fake.add_patch("fix(core): answer 42", {"fakeup/core.py": ("    return 41\n", f"    {line.strip()}\n    return 42\n")},
+                   trailers("FAKE-001"))
+    fake.add_twin("FAKE-001")
+    main(fake.cli("index"))
+    assert main(fake.cli("check", *fake.offline())) == 1
+    assert "adds an import of dsv4flash at fakeup/core.py:6; an upstream patch must not depend on dsv4flash" in (
+        capsys.readouterr().out)
+
+
+def test_check_fails_when_no_test_covers_both_forms(fake, capsys):
+    _good_series(fake)
+    (fake.project / "tests" / "test_fake_001.py").write_text("def test_plain():\n    assert True\n")
+    assert main(fake.cli("check", *fake.offline())) == 1
+    assert 'no Tests file declares PATCH_ID = "FAKE-001" with patch_form tests' in capsys.readouterr().out
+
+
+@pytest.fixture
+def runnable(fake, monkeypatch):
+    """The fake project with fakeup "installed" and the twins importable by the pytest that --run-tests starts."""
+    fake.install_dist()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(fake.twins), os.environ.get("PYTHONPATH")])))
+    return fake
+
+
+def test_run_tests_passes_when_both_forms_agree(runnable, capsys):
+    _good_series(runnable)
+    assert main(runnable.cli("check", *runnable.offline(), "--run-tests")) == 0
+    assert "OK: 1 patch(es)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("twin_answer, message", [
+    (43, "test tests/test_fake_001.py::test_answer_is_fixed[series] failed: runtime twin and patched upstream "
+         "disagree"),
+    (41, "test tests/test_fake_001.py::test_answer_is_fixed[runtime] failed: AssertionError: the unpatched answer"),
+])
+def test_run_tests_fails_when_a_form_fails(runnable, capsys, twin_answer, message):
+    runnable.add_patch("fix(core): answer 42", ANSWER_FIX, trailers("FAKE-001"))
+    runnable.add_twin("FAKE-001", returns=twin_answer)
+    main(runnable.cli("index"))
+    assert main(runnable.cli("check", *runnable.offline(), "--run-tests")) == 1
+    out = capsys.readouterr().out
+    assert f"fakeup/0001-fix-core-answer-42.patch: {message}" in out, out
+
+
+def test_run_tests_fails_when_the_patched_copy_breaks_the_test(runnable, capsys):
+    runnable.add_patch("fix(core): answer 42", {"fakeup/core.py": ("return 41", "return 41 + 0")},
+                       trailers("FAKE-001"))  # the format-patch does not fix anything; the twin does
+    runnable.add_twin("FAKE-001")
+    main(runnable.cli("index"))
+    assert main(runnable.cli("check", *runnable.offline(), "--run-tests")) == 1
+    out = capsys.readouterr().out
+    assert "test_answer_is_fixed[series] failed: series form (patched upstream copy) failed" in out
+    assert "no test passed in the series form (all failed or skipped)" in out
+
+
 def test_list_covers_both_forms(fake, capsys):
     _good_series(fake)
     fake.add_twin("FAKE-009")  # a twin whose format-patch is missing
@@ -153,7 +249,7 @@ def test_list_covers_both_forms(fake, capsys):
     assert rows["FAKE-009"]["forms"] == "runtime twin only"
     assert main(fake.cli("list")) == 0
     table = capsys.readouterr().out
-    for text in ("FAKE-001", "fix(core): answer 42", "Pending", "fakeup>=2.0", "tests/test_fakeup_fix.py", "both"):
+    for text in ("FAKE-001", "fix(core): answer 42", "Pending", "fakeup>=2.0", "tests/test_fake_001.py", "both"):
         assert text in table
 
 

@@ -34,5 +34,22 @@ def test_series_applies_to_the_pinned_release(folder, release, first_patch, tmp_
     ours = [p for p in report["patches"] if p["folder"] == folder]
     assert ours and first_patch in {p["patch_id"] for p in ours}
     assert all(p["alone"] == "clean" and p["in_series"] == "clean" for p in ours), ours
-    errors = [p for p in report["problems"] if p["severity"] == "error" and p["where"].startswith(folder)]
+    errors = [p for p in report["problems"] if p["severity"] == "error" and p["where"].startswith(folder)
+              and not p["where"].startswith("patches/")]
     assert errors == []
+
+
+def test_check_names_every_required_change_without_a_patch(tmp_path, capsys):
+    """The series knows what it must hold: each [[required]] change of base.txt without a patch fails `check`."""
+    from dsv4flash.patchseries.series import load_series
+    from tests.patches.test_series_format import ROOT
+
+    series = load_series(ROOT / "patches")
+    missing = {r.patch_id for s in series.values() for r in s.base.required if r.patch_id not in s.by_id()}
+    report_path = tmp_path / "report.json"
+    code = main(["patches", "check", "--upstream", "megatron-lm", "--source", "auto", "--json", str(report_path)])
+    required = [p["message"] for p in json.loads(report_path.read_text())["problems"]
+                if p["message"].startswith("required change")]
+    ours = {m.split()[2] for m in required}
+    assert ours == {pid for pid in missing if pid in {r.patch_id for r in series["megatron-lm"].base.required}}
+    assert code == (1 if ours else 0)

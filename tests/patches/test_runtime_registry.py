@@ -137,6 +137,42 @@ def test_reload_keeps_the_applied_state(fake):
     assert fakeup.core.answer() == 41
 
 
+def test_revert_and_suspend_take_stacked_dependents_along(fake):
+    base = _twin(fake, "FAKE-001")
+    top = _twin(fake, "FAKE-002", returns=43, depends_on=("FAKE-001",))
+    import fakeup.core
+
+    original = fakeup.core.answer
+    assert top.apply() is Outcome.APPLIED and base.applied and fakeup.core.answer() == 43  # same attribute twice
+    with base.suspended():
+        assert fakeup.core.answer is original and not top.applied
+    assert base.applied and top.applied and fakeup.core.answer() == 43
+    base.revert()
+    assert not top.applied and fakeup.core.answer is original
+
+
+def test_provide_module_adds_and_removes_a_new_upstream_module(fake):
+    import types
+
+    _twin(fake)
+    import fakeup
+
+    patcher = _patching.Patcher("FAKE-001")
+    extra = types.ModuleType("fakeup.extra")
+    extra.value = 7
+    patcher.provide_module("fakeup.extra", extra)
+    patcher.provide_module("fakeup.extra", extra)  # idempotent
+    from fakeup.extra import value
+
+    assert value == 7 and fakeup.extra is extra
+    with pytest.raises(AttributeError, match="fakeup.core already exists in the installed upstream"):
+        patcher.provide_module("fakeup.core", types.ModuleType("fakeup.core"))
+    patcher.undo()
+    assert "fakeup.extra" not in sys.modules and not hasattr(fakeup, "extra")
+    with pytest.raises(ImportError):
+        importlib.import_module("fakeup.extra")
+
+
 def test_obsolete_evaluates_remove_when(fake):
     twin = _twin(fake)
     assert twin.obsolete() is False  # fakeup 1.0 installed, Remove-When fakeup>=2.0
@@ -158,8 +194,27 @@ def test_real_mcore_twin_via_register(monkeypatch):
         assert mcore.register()["DSV41-MCORE-001"] is Outcome.DISABLED
         assert TopKRouter.__dict__["_apply_expert_bias"] is stock
         monkeypatch.delenv("DSV4FLASH_MCORE_EXPERT_BIAS_PADDING")
-        assert mcore.register()["DSV41-MCORE-001"] is Outcome.APPLIED
-        assert getattr(TopKRouter.__dict__["_apply_expert_bias"], _patching.MARKER) == "DSV41-MCORE-001"
+        outcomes = mcore.register()
+        assert outcomes["DSV41-MCORE-001"] is Outcome.APPLIED
+        # DSV41-MCORE-004 (Depends-On 001) stacks its per-modality count on top of 001's row fix.
+        assert getattr(TopKRouter.__dict__["_apply_expert_bias"], _patching.MARKER) == "DSV41-MCORE-004"
         assert mcore.register()["DSV41-MCORE-001"] is Outcome.ALREADY_APPLIED
-        twin.revert()
+        twin.revert()  # dependents first, so nothing stays stacked on a reverted twin
         assert TopKRouter.__dict__["_apply_expert_bias"] is stock
+        assert not any(_patching.REGISTRY.get(pid).applied for pid in ("DSV41-MCORE-003", "DSV41-MCORE-004"))
+        for pid in outcomes:
+            _patching.REGISTRY.get(pid).revert()
+
+
+PATCH_ID = "DSV41-MCORE-004"  # the both-forms harness test below: a twin with two Depends-On
+
+
+def test_patch_form_reverts_the_dependencies_it_applied(patch_form, mcore_parallel):
+    registry = _patching.discover()
+    if patch_form.name == "runtime":
+        assert all(registry.get(pid).applied for pid in ("DSV41-MCORE-001", "DSV41-MCORE-003", PATCH_ID))
+    patch_form.record("form_ran", True)
+
+
+def test_no_twin_is_left_applied_after_a_both_forms_test():
+    assert [t.meta.patch_id for t in _patching.discover().all() if t.applied] == []

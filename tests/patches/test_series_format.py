@@ -13,7 +13,7 @@ from tests.patches.fake_upstream import FakeProject, trailers
 pytestmark = pytest.mark.patches
 
 ROOT = Path(__file__).resolve().parents[2]
-MCORE_PATCH = next((ROOT / "patches" / "megatron-lm").glob("*.patch"))
+MCORE_PATCH = next((ROOT / "patches" / "megatron-lm").glob("0001-*.patch"))
 ANSWER_FIX = {"fakeup/core.py": ("return 41", "return 42")}
 
 
