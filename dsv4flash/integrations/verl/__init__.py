@@ -11,7 +11,11 @@ vLLM on a trainer node, no megatron-core on a rollout node) is skipped and repor
 * DSV41-VERL-002 — MXFP4 MoE refit unwraps vLLM's LoRA `FusedMoEModularMethod`;
 * DSV41-VERL-003 — unmerged sync reconciles `.base_layer.` names by probing the live loader;
 * DSV41-VERL-004 — text-only R3 routing replay for image-span sequences;
-* DSV41-VERL-005 — adapter syncs reset vLLM's encoder cache (vision outputs are adapter-dependent).
+* DSV41-VERL-005 — adapter syncs reset vLLM's encoder cache (vision outputs are adapter-dependent);
+* DSV41-VERL-006 — the default process-group backend on a CPU platform is `cpu:gloo`;
+* DSV41-VERL-007 — the Ray resource check counts the platform's own resource.
+
+Loading the plugin also registers the CPU development platform (`cpu_platform`, `VERL_PLATFORM=cpu`).
 
 See docs/verl.md.
 """
@@ -36,6 +40,8 @@ TRIGGERS = {
     "DSV41-VERL-003": "verl.workers.rollout.vllm_rollout.utils",
     "DSV41-VERL-004": "verl.workers.engine.megatron.transformer_impl",
     "DSV41-VERL-005": "verl.workers.rollout.vllm_rollout.vllm_async_server",
+    "DSV41-VERL-006": "verl.utils.distributed",
+    "DSV41-VERL-007": "verl.single_controller.ray.base",
 }
 OUTCOMES: dict = {}
 
