@@ -13,7 +13,8 @@ vLLM on a trainer node, no megatron-core on a rollout node) is skipped and repor
 * DSV41-VERL-004 — text-only R3 routing replay for image-span sequences;
 * DSV41-VERL-005 — adapter syncs reset vLLM's encoder cache (vision outputs are adapter-dependent);
 * DSV41-VERL-006 — the default process-group backend on a CPU platform is `cpu:gloo`;
-* DSV41-VERL-007 — the Ray resource check counts the platform's own resource.
+* DSV41-VERL-007 — the Ray resource check counts the platform's own resource;
+* DSV41-VERL-008 — `register_rollout`, a public register function for rollout backends.
 
 Loading the plugin also registers the CPU development platform (`cpu_platform`, `VERL_PLATFORM=cpu`).
 
@@ -42,6 +43,7 @@ TRIGGERS = {
     "DSV41-VERL-005": "verl.workers.rollout.vllm_rollout.vllm_async_server",
     "DSV41-VERL-006": "verl.utils.distributed",
     "DSV41-VERL-007": "verl.single_controller.ray.base",
+    "DSV41-VERL-008": "verl.workers.rollout.base",
 }
 OUTCOMES: dict = {}
 

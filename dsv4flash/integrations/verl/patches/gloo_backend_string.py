@@ -34,10 +34,16 @@ def default_backend() -> str:
 
 
 def upstream_has_default_backend() -> bool:
-    """Probe: does `verl.utils.distributed` build the backend with `default_backend()`?"""
+    """Probe: on a platform whose device is `cpu`, is veRL's default backend `cpu:gloo`?"""
     from verl.utils import distributed
 
-    return callable(getattr(distributed, "default_backend", None))
+    from dsv4flash.integrations.verl.probe_platform import probe_platform
+
+    default = getattr(distributed, "default_backend", None)
+    if not callable(default):
+        return False
+    with probe_platform(device="cpu", backend="gloo"):
+        return default() == "cpu:gloo"
 
 
 @verl_twin(

@@ -18,12 +18,23 @@ TOUCHES = ("verl.single_controller.ray.base.ResourcePoolManager._check_resource_
 
 
 def upstream_counts_platform_resource() -> bool:
-    """Probe: does veRL's resource check ask the platform for the resource name?"""
-    import inspect
-
+    """Probe: does veRL's check accept one process on a node offering one unit of the platform's resource?"""
+    import ray._private.state as state
     from verl.single_controller.ray.base import ResourcePoolManager
 
-    return "ray_resource_name" in inspect.getsource(ResourcePoolManager._check_resource_available)
+    from dsv4flash.integrations.verl.probe_platform import probe_platform
+
+    manager = ResourcePoolManager(resource_pool_spec={"probe": [1]}, mapping={})
+    reported = state.available_resources_per_node
+    state.available_resources_per_node = lambda: {"probe-node": {"CPU": 1.0, "dsv4flash_probe": 1.0}}
+    try:
+        with probe_platform(resource="dsv4flash_probe"):
+            manager._check_resource_available()
+        return True
+    except ValueError:
+        return False
+    finally:
+        state.available_resources_per_node = reported
 
 
 @verl_twin(
