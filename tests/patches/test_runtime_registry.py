@@ -163,3 +163,21 @@ def test_real_mcore_twin_via_register(monkeypatch):
         assert mcore.register()["DSV41-MCORE-001"] is Outcome.ALREADY_APPLIED
         twin.revert()
         assert TopKRouter.__dict__["_apply_expert_bias"] is stock
+
+
+def test_patcher_add_creates_a_new_name_and_undo_removes_it():
+    import types
+
+    owner = types.SimpleNamespace(existing=1)
+    patcher = _patching.Patcher("FAKE-ADD")
+
+    def helper():
+        return "new"
+
+    patcher.add(owner, "helper", helper)
+    patcher.add(owner, "helper", helper)  # this patch's own: idempotent
+    assert owner.helper() == "new" and len(patcher.replaced) == 1
+    with pytest.raises(AttributeError, match="FAKE-ADD: .*existing already exists"):
+        patcher.add(owner, "existing", helper)
+    patcher.undo()
+    assert not hasattr(owner, "helper") and owner.existing == 1
