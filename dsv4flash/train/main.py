@@ -83,5 +83,5 @@ def main(cfg: DictConfig) -> None:
         run(typed, output_dir_of(typed))
     except (RunConfigError, UnknownKeyError) as err:
         discard_unused_run_dir()
-        print(f"error: {err}", file=sys.stderr)
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # one line, even for veRL's messages
         raise SystemExit(2) from None
