@@ -123,7 +123,8 @@ def _lora(cfg: Any):
 
 # Keys whose values are paths inside the run directory; the config holds them relative to it (so it moves
 # with the directory) and each launch pins them to where the directory is (`pin_run_dir`, launch_verl.sh).
-RUN_DIR_KEYS = ("data.train_files", "data.val_files", "trainer.default_local_dir")
+RUN_DIR_KEYS = ("data.train_files", "data.val_files", "trainer.default_local_dir",
+                "actor_rollout_ref.model.tokenizer_path")
 
 
 def run_relative(path: str, output_dir: str) -> str:
@@ -353,12 +354,17 @@ def validate_verl(config: DictConfig, model_config: Any = None) -> dict[str, Any
     return typed
 
 
-def build_verl_config(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str) -> DictConfig:
-    """Compose and validate the complete veRL config for a run."""
+def build_verl_config(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str,
+                      tokenizer_path: str | None = None) -> DictConfig:
+    """Compose and validate the complete veRL config for a run (`tokenizer_path`: a tokenizer other than
+    the checkpoint's own, e.g. the task tokenizer of a dsv4flash base in HF form)."""
     from dsv4flash.config import load_config
 
-    config = compose_verl(verl_overrides(cfg, data_dir=data_dir, output_dir=output_dir, reward_path=reward_path))
-    validate_verl(config, load_config(cfg.model.flavour))
+    overrides = verl_overrides(cfg, data_dir=data_dir, output_dir=output_dir, reward_path=reward_path)
+    if tokenizer_path is not None:
+        overrides.append(f"actor_rollout_ref.model.tokenizer_path={hydra_value(run_relative(tokenizer_path, output_dir))}")
+    config = compose_verl(overrides)
+    validate_verl(pin_run_dir(config, output_dir), load_config(cfg.model.flavour))
     return config
 
 

@@ -76,6 +76,29 @@ def launch(config: DictConfig, run_dir: Path) -> None:
         run_ppo(config, task_runner_class=TaskRunner)
 
 
+TASK_TOKENIZER_KIND = "dsv4flash-task-words"
+
+
+def task_tokenizer_for(cfg: Any, out: Path) -> Path | None:
+    """`<out>/verl_tokenizer` holding the HF form of the task tokenizer when `model.hf_path` is a dsv4flash base
+    (its tokenizer.json is the task vocabulary, which transformers cannot read); None for real checkpoints."""
+    import json
+
+    if not cfg.model.hf_path:
+        return None
+    own = Path(cfg.model.hf_path).expanduser() / "tokenizer.json"
+    try:
+        kind = json.loads(own.read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if kind != TASK_TOKENIZER_KIND:
+        return None
+    from dsv4flash.tasks import TaskTokenizer
+    from dsv4flash.tasks.hf_tokenizer import save_hf_tokenizer
+
+    return save_hf_tokenizer(TaskTokenizer.load(own.parent, cfg.model.flavour), out / "verl_tokenizer")
+
+
 def run_verl(cfg: Any, output_dir: str | Path, *, log=print) -> dict[str, Any]:
     """Export data, build and validate the veRL config, write it, and launch when the cluster is there."""
     from dsv4flash.tasks import TaskMixture, build_task
@@ -88,7 +111,17 @@ def run_verl(cfg: Any, output_dir: str | Path, *, log=print) -> dict[str, Any]:
     out = Path(output_dir).resolve()
     data_dir = Path(eng.data_dir).resolve() if eng.data_dir else out / "verl_data"
     # Validate first: a config veRL rejects leaves nothing behind (no exported data, no run directory).
-    config = build_verl_config(cfg, data_dir=str(data_dir), output_dir=str(out), reward_path=REWARD_FUNCTION_MODULE)
+    tokenizer_dir = task_tokenizer_for(cfg, out)
+    try:
+        config = build_verl_config(cfg, data_dir=str(data_dir), output_dir=str(out),
+                                   reward_path=REWARD_FUNCTION_MODULE,
+                                   tokenizer_path=None if tokenizer_dir is None else str(tokenizer_dir))
+    except Exception:
+        if tokenizer_dir is not None:
+            import shutil
+
+            shutil.rmtree(tokenizer_dir, ignore_errors=True)
+        raise
     tasks = {name: build_task(name, **dict(cfg.data.task_options.get(name, {}) or {})) for name in cfg.data.tasks}
     mixture = TaskMixture(tasks, dict(cfg.data.tasks), cfg.seed, cfg.data.val_size)
     files = export_parquet(mixture, data_dir, train_size=cfg.data.verl_train_size,

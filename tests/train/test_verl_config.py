@@ -176,3 +176,27 @@ def test_launch_needs_the_checkpoint_path(tmp_path):
                                                    "data.val_size=4"]))
     with pytest.raises(VerlConfigError, match="model.hf_path"):
         run_verl(cfg, tmp_path, log=lambda *_: None)
+
+
+def test_a_dsv4flash_base_gets_its_task_tokenizer_in_hf_form(tmp_path):
+    """veRL loads the tokenizer through transformers: a base's task tokenizer is written in HF form and used."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from dsv4flash.engine.model_io import save_base
+    from dsv4flash.model.transformer import Transformer
+    from dsv4flash.tasks import TaskTokenizer
+    from dsv4flash.train.verl_engine import run_verl
+
+    mcfg = load_config("tiny")
+    base = save_base(Transformer(mcfg, seed=0), mcfg, TaskTokenizer(mcfg), tmp_path / "base", {"kind": "test"})
+    cfg = to_train_config(compose("decoder_lora", ["engine=verl", "engine.launch=never", f"model.hf_path={base}",
+                                                   "data.verl_train_size=8", "data.val_size=4"]))
+    out = tmp_path / "run"
+    result = run_verl(cfg, out, log=lambda *_: None)
+    written = OmegaConf.load(result["config"])
+    assert written.actor_rollout_ref.model.tokenizer_path == "verl_tokenizer"  # run-relative, pinned at launch
+    hf = AutoTokenizer.from_pretrained(str(out / "verl_tokenizer"))
+    prompt = "how many triangles ? <image>"
+    assert hf(prompt, add_special_tokens=False)["input_ids"] == TaskTokenizer(mcfg).encode(prompt)
+    assert f"actor_rollout_ref.model.tokenizer_path=$here/verl_tokenizer" in (out / "launch_verl.sh").read_text()
