@@ -102,3 +102,17 @@ def test_two_worker_ray_group_all_reduces_over_gloo(monkeypatch):
     for r in results:
         assert r == {**r, "world": 2, "sum": 3.0, "backend": "cpu:gloo", "device": "cpu", "platform": "PlatformCPU",
                      "master_addr": "127.0.0.1"}
+
+
+def test_verls_megatron_engines_are_registered_for_the_cpu_device():
+    import verl  # noqa: F401  (loads the plugin, which schedules the registration)
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.megatron import transformer_impl
+
+    from tests.verl import _cpu_platform
+
+    lm = EngineRegistry._engines["language_model"]["megatron"]
+    assert lm["cpu"] is lm["cuda"] is transformer_impl.MegatronEngineWithLMHead
+    assert EngineRegistry._engines["value_model"]["megatron"]["cpu"] is transformer_impl.MegatronEngineWithValueHead
+    with _cpu_platform.platform("cpu"):
+        assert EngineRegistry.get_engine_cls("language_model", "megatron") is transformer_impl.MegatronEngineWithLMHead

@@ -216,3 +216,24 @@ def register_platform() -> type:
 def selected() -> bool:
     """Whether this process asked veRL for the CPU platform."""
     return os.environ.get(ENV, "").strip().lower() == PLATFORM_NAME
+
+
+# veRL's Megatron engines, registered for the CUDA device only (`EngineRegistry.register` defaults to cuda).
+MEGATRON_ENGINES = (("language_model", "MegatronEngineWithLMHead"), ("value_model", "MegatronEngineWithValueHead"))
+
+
+def register_cpu_engines() -> None:
+    """Register veRL's own Megatron engines for device `cpu` too (idempotent), when their module is imported."""
+    from dsv4flash.post_import import when_imported
+
+    def register() -> None:
+        from verl.workers.engine.base import EngineRegistry
+        from verl.workers.engine.megatron import transformer_impl
+
+        for model_type, name in MEGATRON_ENGINES:
+            engine = getattr(transformer_impl, name, None)
+            table = EngineRegistry._engines.get(model_type, {}).get("megatron", {})
+            if engine is not None and PLATFORM_NAME not in table:
+                EngineRegistry.register(model_type=model_type, backend="megatron", device=PLATFORM_NAME)(engine)
+
+    when_imported("verl.workers.engine.megatron.transformer_impl", register)

@@ -10,9 +10,10 @@ import logging
 
 try:
     from dsv4flash.integrations.verl import register
-    from dsv4flash.integrations.verl.cpu_platform import register_platform
+    from dsv4flash.integrations.verl.cpu_platform import register_cpu_engines, register_platform
 
     register_platform()  # selectable with VERL_PLATFORM=cpu only; never auto-detected
+    register_cpu_engines()  # veRL's Megatron engines for device `cpu`, once their module is imported
     OUTCOMES = register()
 except Exception:  # pragma: no cover - reported, never raised into `import verl`
     logging.getLogger("dsv4flash.verl").warning("dsv4flash veRL plugin failed to apply its patches", exc_info=True)
