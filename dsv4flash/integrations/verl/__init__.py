@@ -16,7 +16,8 @@ vLLM on a trainer node, no megatron-core on a rollout node) is skipped and repor
 * DSV41-VERL-007 — the Ray resource check counts the platform's own resource;
 * DSV41-VERL-008 — `register_rollout`, a public register function for rollout backends.
 
-Loading the plugin also registers the CPU development platform (`cpu_platform`, `VERL_PLATFORM=cpu`).
+Loading the plugin also registers the CPU development platform (`cpu_platform`, `VERL_PLATFORM=cpu`) and,
+once `megatron.bridge` is imported, the project's Megatron-Bridge bridge (`register_bridge_when_imported`).
 
 See docs/verl.md.
 """
@@ -67,6 +68,19 @@ def apply(patch_id: str):
             return outcome
         finally:
             _applying.discard(patch_id)
+
+
+def register_bridge_when_imported() -> None:
+    """Register the project's Megatron-Bridge bridge (`DeepseekV41ForCausalLM`) as soon as a veRL worker imports
+    `megatron.bridge`: veRL's Megatron engine builds its model with `AutoBridge.from_hf_pretrained`."""
+    from dsv4flash.post_import import when_imported
+
+    def register_bridge() -> None:
+        from dsv4flash.integrations import mbridge
+
+        mbridge.register()
+
+    when_imported("megatron.bridge", register_bridge)
 
 
 def register(now: bool = False) -> dict:

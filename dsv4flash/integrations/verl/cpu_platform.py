@@ -237,3 +237,21 @@ def register_cpu_engines() -> None:
                 EngineRegistry.register(model_type=model_type, backend="megatron", device=PLATFORM_NAME)(engine)
 
     when_imported("verl.workers.engine.megatron.transformer_impl", register)
+
+
+def enter_cpu_development_mode() -> bool:
+    """In a process that selected `VERL_PLATFORM=cpu` (and has no CUDA device): once veRL's Megatron engine
+    is imported, install the megatron-core CUDA->CPU redirect and the megatron-bridge import shims (Python
+    3.11 `typing.override`, Transformer Engine stubs). True if the mode is active in this process."""
+    if not selected() or cuda_visible():
+        return False
+    from dsv4flash.post_import import when_imported
+
+    def install() -> None:
+        from dsv4flash import mbridge_cpu_import, mcore_cpu_redirect
+
+        mcore_cpu_redirect.install()
+        mbridge_cpu_import.install()
+
+    when_imported("verl.workers.engine.megatron.transformer_impl", install)
+    return True
