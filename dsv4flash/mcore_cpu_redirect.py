@@ -4,8 +4,9 @@ megatron-core places buffers on `torch.cuda.current_device()`, seeds and forks t
 CUDA streams/events, sometimes passes `device="cuda"` literally and converts split sizes to numpy only for
 CUDA tensors. `install()` points all of that at the CPU; `uninstall()` restores every attribute it replaced.
 It changes global torch state, so nothing installs it implicitly except veRL's CPU development platform
-(`VERL_PLATFORM=cpu`, `dsv4flash.integrations.verl.cpu_platform`), in its own worker processes and never
-where a CUDA device is visible; the tests use it through `tests.mcore_cpu.shim` (the same module state).
+(`VERL_PLATFORM=cpu`, `dsv4flash.integrations.verl.cpu_platform`), in its own worker processes and only
+where no CUDA device is visible (checked there); the tests use it through `tests.mcore_cpu.shim` (the same
+module state).
 """
 
 from __future__ import annotations
@@ -113,8 +114,6 @@ def install() -> None:
     """Redirect CUDA-only calls to the CPU (idempotent). Imports megatron.core.tensor_parallel itself."""
     if _saved:
         return
-    if torch.cuda.is_available():
-        raise RuntimeError("the megatron-core CPU redirect must not be installed where a CUDA device is visible")
     from megatron.core.tensor_parallel import random as mcore_random  # must exist before we patch it
 
     cuda = torch.cuda
