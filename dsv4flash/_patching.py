@@ -138,10 +138,20 @@ class Patcher:
         setattr(module, MARKER, self.patch_id)
         sys.modules[name] = module
         self.provided.append(name)
-        self.replace_missing(package, leaf, module)
+        self.add(package, leaf, module)
 
-    def replace_missing(self, owner: Any, name: str, value: Any) -> None:
-        """Set a new attribute `owner.name = value` that upstream lacks; `undo` deletes it."""
+    def add(self, owner: Any, name: str, value: Any) -> None:
+        """Set `owner.name = value` for a name upstream lacks (a new public helper); no-op if already this patch's."""
+        current = getattr(owner, name, None)
+        if getattr(current, MARKER, None) == self.patch_id:
+            return
+        if hasattr(owner, name):
+            raise AttributeError(f"{self.patch_id}: {getattr(owner, '__name__', owner)}.{name} already exists in the "
+                                 "installed upstream; the twin must not shadow it (see its probe and Remove-When)")
+        try:
+            setattr(value, MARKER, self.patch_id)
+        except AttributeError as exc:
+            raise TypeError(f"{self.patch_id}: addition {name} cannot carry the patch marker") from exc
         self.replaced.append(_Replacement(owner, name, None, False))
         setattr(owner, name, value)
 

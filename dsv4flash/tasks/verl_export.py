@@ -19,6 +19,8 @@ from dsv4flash.tasks.base import Example
 from dsv4flash.tasks.dataset import TaskMixture
 
 REWARD_FUNCTION_FILE = Path(__file__).with_name("verl_reward.py")
+# The same function in veRL's `pkg://` form: importable on every node that has dsv4flash (no local path).
+REWARD_FUNCTION_MODULE = "pkg://dsv4flash.tasks.verl_reward"
 
 
 def _png(image: np.ndarray) -> bytes:

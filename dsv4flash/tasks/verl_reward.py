@@ -21,4 +21,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_
     task = build_task(data_source, **options)
     meta = json.loads(info.get("meta", "{}"))
     example = Example(prompt=info.get("prompt_text", ""), answer=str(ground_truth), meta=meta)
-    return float(task.reward(example, solution_str.strip()))
+    # A Hugging Face decode of task ids spaces digits apart ("1 2"); score the task's own text form ("12").
+    from dsv4flash.tasks.hf_tokenizer import canonical_text
+
+    return float(task.reward(example, canonical_text(solution_str.strip())))

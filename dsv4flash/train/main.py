@@ -2,10 +2,14 @@
 
 Hydra's own flags work as usual (`--cfg job` prints the resolved config, `--help`, `-m` sweeps). The
 local engine builds the project's base model first when the recipe needs it and it is not cached yet.
+A config the model or engine cannot run (`dsv4flash.train.preflight`) is one line on stderr and exit
+status 2, before anything is written; the run directory Hydra created for it is removed again.
 """
 
 from __future__ import annotations
 
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +17,8 @@ import hydra
 from omegaconf import DictConfig
 
 from dsv4flash.train.compose import PRIMARY, config_path, to_train_config
-from dsv4flash.train.schema import register_schemas
+from dsv4flash.train.preflight import RunConfigError, check_run
+from dsv4flash.train.schema import UnknownKeyError, register_schemas
 
 register_schemas()
 
@@ -28,7 +33,8 @@ def output_dir_of(cfg: Any) -> Path:
 
 
 def run(cfg: Any, output_dir: Path) -> dict:
-    """Dispatch a typed run config to its engine -> a result dict (summary or veRL paths)."""
+    """Check, then dispatch a typed run config to its engine -> a result dict (summary or veRL paths)."""
+    check_run(cfg)
     if cfg.engine.name == "local":
         from dsv4flash.engine import run_local
         from dsv4flash.engine.progress import ProgressLog
@@ -48,8 +54,34 @@ def run(cfg: Any, output_dir: Path) -> dict:
     raise ValueError(f"engine.name must be 'local' or 'verl', got {cfg.engine.name!r}")
 
 
+# What Hydra itself writes into a run directory before the job starts.
+HYDRA_BOOKKEEPING = {".hydra", "main.log", "__main__.log"}
+
+
+def discard_unused_run_dir() -> None:
+    """Remove the Hydra run directory (and emptied parents below the cwd) if it holds only Hydra's own files."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    cwd = Path.cwd().resolve()
+    if run_dir == cwd or not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - HYDRA_BOOKKEEPING:
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in run_dir.parents:
+        if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
+            break
+        parent.rmdir()
+
+
 @hydra.main(config_path=config_path(), config_name=PRIMARY, version_base=None)
 def main(cfg: DictConfig) -> None:
-    """Hydra entry point."""
-    typed = to_train_config(cfg)
-    run(typed, output_dir_of(typed))
+    """Hydra entry point; config errors exit 2 with one line and leave no run directory."""
+    try:
+        typed = to_train_config(cfg)
+        run(typed, output_dir_of(typed))
+    except (RunConfigError, UnknownKeyError) as err:
+        discard_unused_run_dir()
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)  # one line, even for veRL's messages
+        raise SystemExit(2) from None

@@ -197,10 +197,18 @@ class VerlEngine:
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 2
     expert_model_parallel_size: int = 8
+    # Megatron actor and rollout compute dtype (veRL's Megatron engine takes bfloat16 | float16)
+    dtype: str = "bfloat16"
+    # dynamic batching: micro-batches packed up to max_length tokens per GPU instead of a fixed count
+    dynamic_batching: bool = False
+    # longest sequence (prompt + response) the actor and rollout take (null: veRL's defaults)
+    max_length: Optional[int] = None
     # uniform full recompute, as the study
     recompute: bool = True
     optimizer_offload: bool = True
     param_offload: bool = False
+    # rollout backend: a name registered with veRL's rollout and replica registries (vllm on GPU clusters)
+    rollout: str = "vllm"
     # vLLM rollout
     rollout_tensor_parallel_size: int = 8
     rollout_expert_parallel_size: int = 8

@@ -22,12 +22,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from dsv4flash.train.preflight import RunConfigError
+
 VERL_CONFIG_MODULE = "verl.trainer.config"
 VERL_PRIMARY = "ppo_trainer"
 MODEL_PATH_UNSET = "<unset: model.hf_path>"
 
 
-class VerlConfigError(ValueError):
+class VerlConfigError(RunConfigError):
     """A run config that veRL cannot express, or a veRL config that fails veRL's validation."""
 
 
@@ -49,7 +51,7 @@ def hydra_value(value: Any) -> str:
 
 
 @functools.lru_cache(maxsize=2)
-def _meta_model(config_json: str):
+def meta_model(config_json: str):
     """The reference model on the meta device (no memory for weights; ~10 s for the full-size module tree)."""
     from dsv4flash.config import DSV41FlashConfig
     from dsv4flash.model.transformer import Transformer
@@ -62,7 +64,7 @@ def _selected_modules(config_json: str, lora_json: str) -> frozenset[str]:
     """Release module names a placement adapts (language model only)."""
     from dsv4flash.lora import LoraConfig, resolve_targets
 
-    targets = resolve_targets(_meta_model(config_json), LoraConfig.from_dict(json.loads(lora_json)))
+    targets = resolve_targets(meta_model(config_json), LoraConfig.from_dict(json.loads(lora_json)))
     return frozenset(c.name for c in targets if not c.name.startswith(("vision.", "aligner.")))
 
 
@@ -114,13 +116,40 @@ def megatron_lora_targets(mcfg: Any, lora_cfg: Any) -> list[str]:
 
 
 def _lora(cfg: Any):
-    from dsv4flash.engine.local import _lora_config
+    from dsv4flash.train.preflight import lora_config
 
-    return _lora_config(cfg.lora)
+    return lora_config(cfg.lora)
+
+
+# Keys whose values are paths inside the run directory; the config holds them relative to it (so it moves
+# with the directory) and each launch pins them to where the directory is (`pin_run_dir`, launch_verl.sh).
+RUN_DIR_KEYS = ("data.train_files", "data.val_files", "trainer.default_local_dir",
+                "actor_rollout_ref.model.tokenizer_path")
+
+
+def run_relative(path: str, output_dir: str) -> str:
+    """`path` relative to the run directory when it lies inside it, else unchanged (a user's shared path)."""
+    import os
+
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(output_dir))
+    return path if rel == ".." or rel.startswith(f"..{os.sep}") else rel
+
+
+def pin_run_dir(config: DictConfig, run_dir: str) -> DictConfig:
+    """A copy of `config` whose run-relative paths (`RUN_DIR_KEYS`) are absolute under `run_dir`."""
+    import os
+
+    pinned = config.copy()
+    for key in RUN_DIR_KEYS:
+        value = OmegaConf.select(pinned, key)
+        if isinstance(value, str) and not os.path.isabs(value):
+            OmegaConf.update(pinned, key, os.path.join(run_dir, value))
+    return pinned
 
 
 def verl_overrides(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str) -> list[str]:
-    """Hydra overrides of verl's ppo_trainer that express the run (engine=verl, algorithm=grpo)."""
+    """Hydra overrides of verl's ppo_trainer that express the run (engine=verl, algorithm=grpo); paths inside
+    `output_dir` are written relative to it, `reward_path` may be veRL's `pkg://module` form."""
     from dsv4flash.config import load_config
 
     eng, algo, opt = cfg.engine, cfg.algorithm, cfg.optim
@@ -142,13 +171,13 @@ def verl_overrides(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str
         "trainer.project_name": eng.project_name,
         "trainer.experiment_name": cfg.recipe,
         "trainer.logger": ["console"],
-        "trainer.default_local_dir": f"{output_dir}/verl_checkpoints",
+        "trainer.default_local_dir": run_relative(f"{output_dir}/verl_checkpoints", output_dir),
         "trainer.test_freq": eng.test_freq,
         "trainer.save_freq": eng.save_freq,
         "trainer.val_before_train": True,
         # data
-        "data.train_files": f"{data_dir}/train.parquet",
-        "data.val_files": f"{data_dir}/val.parquet",
+        "data.train_files": run_relative(f"{data_dir}/train.parquet", output_dir),
+        "data.val_files": run_relative(f"{data_dir}/val.parquet", output_dir),
         "data.train_batch_size": eng.train_batch_size,
         "data.max_prompt_length": cfg.data.max_prompt_length,
         "data.max_response_length": cfg.data.max_response_length,
@@ -187,8 +216,11 @@ def verl_overrides(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str
         "actor_rollout_ref.actor.megatron.param_offload": eng.param_offload,
         "actor_rollout_ref.actor.megatron.optimizer_offload": eng.optimizer_offload,
         "actor_rollout_ref.actor.megatron.router_replay.mode": algo.router_replay,
+        "actor_rollout_ref.actor.megatron.dtype": eng.dtype,
+        "actor_rollout_ref.ref.megatron.dtype": eng.dtype,
+        "actor_rollout_ref.actor.use_dynamic_bsz": eng.dynamic_batching,
         # vLLM rollout: sampled log-probs for the correction, routes for R3, LoRA unmerged
-        "actor_rollout_ref.rollout.name": "vllm",
+        "actor_rollout_ref.rollout.name": eng.rollout,
         "actor_rollout_ref.rollout.n": algo.group_size,
         "actor_rollout_ref.rollout.temperature": algo.temperature,
         "actor_rollout_ref.rollout.calculate_log_probs": True,
@@ -198,7 +230,13 @@ def verl_overrides(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str
         "actor_rollout_ref.rollout.gpu_memory_utilization": eng.gpu_memory_utilization,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": eng.micro_batch_size_per_gpu,
         "actor_rollout_ref.rollout.load_format": "auto",
+        "actor_rollout_ref.rollout.dtype": eng.dtype,
     }
+    if eng.max_length is not None:
+        settings.update({
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": eng.max_length,
+            "actor_rollout_ref.rollout.max_model_len": eng.max_length,
+        })
     if eng.recompute:
         settings.update({
             "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity": "full",
@@ -316,14 +354,19 @@ def validate_verl(config: DictConfig, model_config: Any = None) -> dict[str, Any
     return typed
 
 
-def build_verl_config(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str) -> DictConfig:
-    """Compose and validate the complete veRL config for a run."""
+def build_verl_config(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str,
+                      tokenizer_path: str | None = None) -> DictConfig:
+    """Compose and validate the complete veRL config for a run (`tokenizer_path`: a tokenizer other than
+    the checkpoint's own, e.g. the task tokenizer of a dsv4flash base in HF form)."""
     from dsv4flash.config import load_config
 
-    config = compose_verl(verl_overrides(cfg, data_dir=data_dir, output_dir=output_dir, reward_path=reward_path))
-    validate_verl(config, load_config(cfg.model.flavour))
+    overrides = verl_overrides(cfg, data_dir=data_dir, output_dir=output_dir, reward_path=reward_path)
+    if tokenizer_path is not None:
+        overrides.append(f"actor_rollout_ref.model.tokenizer_path={hydra_value(run_relative(tokenizer_path, output_dir))}")
+    config = compose_verl(overrides)
+    validate_verl(pin_run_dir(config, output_dir), load_config(cfg.model.flavour))
     return config
 
 
-__all__ = ["VerlConfigError", "build_model_config", "build_verl_config", "compose_verl", "hydra_value",
+__all__ = ["RUN_DIR_KEYS", "VerlConfigError", "build_model_config", "pin_run_dir", "run_relative", "build_verl_config", "compose_verl", "hydra_value",
            "megatron_lora_targets", "validate_verl", "verl_overrides"]

@@ -8,14 +8,14 @@ launches only where CUDA GPUs are visible; on a CPU machine the run stops after 
 from __future__ import annotations
 
 import os
-import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from dsv4flash.train.verl_config import MODEL_PATH_UNSET, VerlConfigError, build_verl_config
+from dsv4flash.train.preflight import check_run
+from dsv4flash.train.verl_config import (MODEL_PATH_UNSET, RUN_DIR_KEYS, VerlConfigError, build_verl_config,
+                                         pin_run_dir)
 
 CONFIG_NAME = "verl_ppo_trainer"
 
@@ -29,6 +29,23 @@ def _gpus_visible() -> int:
         return 0
 
 
+def launch_script(config: DictConfig) -> str:
+    """launch_verl.sh: veRL's own entry point on the config next to it, run-relative paths pinned at launch.
+
+    Nothing in it names this machine: `python` comes from PATH (`PYTHON=` overrides) and the run directory
+    is wherever the script lies, so it runs as is on a cluster head node or under
+    `ray job submit --working-dir RUN_DIR -- bash launch_verl.sh`.
+    """
+    pins = "".join(f' \\\n  "{key}=$here/{OmegaConf.select(config, key)}"' for key in RUN_DIR_KEYS
+                   if not os.path.isabs(str(OmegaConf.select(config, key))))
+    return ("#!/usr/bin/env bash\n"
+            "# Launch veRL GRPO with the validated config next to this script (run on the Ray head node).\n"
+            "set -euo pipefail\n"
+            'here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"\n'
+            f'exec "${{PYTHON:-python}}" -m verl.trainer.main_ppo --config-path "$here" --config-name {CONFIG_NAME}'
+            f'{pins} \\\n  "$@"\n')
+
+
 def write_config(config: DictConfig, output_dir: Path) -> tuple[Path, Path]:
     """`<out>/verl_ppo_trainer.yaml` (the complete config) and `<out>/launch_verl.sh` (main_ppo on it)."""
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -37,22 +54,19 @@ def write_config(config: DictConfig, output_dir: Path) -> tuple[Path, Path]:
     OmegaConf.save(config, tmp)
     os.replace(tmp, path)
     script = output_dir / "launch_verl.sh"
-    body = ("#!/usr/bin/env bash\n# Launch veRL GRPO with the validated config (run on the Ray head node).\n"
-            "set -euo pipefail\n"
-            f"exec {shlex.quote(sys.executable)} -m verl.trainer.main_ppo --config-path {shlex.quote(str(output_dir))} "
-            f"--config-name {CONFIG_NAME} \"$@\"\n")
     tmp = script.with_name(f".{script.name}.tmp")
-    tmp.write_text(body)
+    tmp.write_text(launch_script(config))
     tmp.chmod(0o755)
     os.replace(tmp, script)
     return path, script
 
 
-def launch(config: DictConfig) -> None:
+def launch(config: DictConfig, run_dir: Path) -> None:
     """Run veRL's PPO/GRPO driver in this process (Ray cluster from `ray_kwargs`), as `main_ppo.main` does."""
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
     from verl.utils.device import auto_set_device
 
+    config = pin_run_dir(config, str(run_dir))
     auto_set_device(config)
     if config.trainer.use_v1:
         run_ppo(config, task_runner_class=TaskRunnerV1)
@@ -62,22 +76,57 @@ def launch(config: DictConfig) -> None:
         run_ppo(config, task_runner_class=TaskRunner)
 
 
+TASK_TOKENIZER_KIND = "dsv4flash-task-words"
+
+
+def task_tokenizer_for(cfg: Any, out: Path) -> Path | None:
+    """`<out>/verl_tokenizer` holding the HF form of the task tokenizer when `model.hf_path` is a dsv4flash base
+    (its tokenizer.json is the task vocabulary, which transformers cannot read); None for real checkpoints."""
+    import json
+
+    if not cfg.model.hf_path:
+        return None
+    own = Path(cfg.model.hf_path).expanduser() / "tokenizer.json"
+    try:
+        kind = json.loads(own.read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if kind != TASK_TOKENIZER_KIND:
+        return None
+    from dsv4flash.tasks import TaskTokenizer
+    from dsv4flash.tasks.hf_tokenizer import save_hf_tokenizer
+
+    return save_hf_tokenizer(TaskTokenizer.load(own.parent, cfg.model.flavour), out / "verl_tokenizer")
+
+
 def run_verl(cfg: Any, output_dir: str | Path, *, log=print) -> dict[str, Any]:
     """Export data, build and validate the veRL config, write it, and launch when the cluster is there."""
     from dsv4flash.tasks import TaskMixture, build_task
-    from dsv4flash.tasks.verl_export import REWARD_FUNCTION_FILE, export_parquet
+    from dsv4flash.tasks.verl_export import REWARD_FUNCTION_MODULE, export_parquet
 
+    check_run(cfg)
     eng = cfg.engine
     if eng.launch not in ("auto", "never", "force"):
         raise VerlConfigError(f"engine.launch must be auto, never or force, got {eng.launch!r}")
     out = Path(output_dir).resolve()
     data_dir = Path(eng.data_dir).resolve() if eng.data_dir else out / "verl_data"
+    # Validate first: a config veRL rejects leaves nothing behind (no exported data, no run directory).
+    tokenizer_dir = task_tokenizer_for(cfg, out)
+    try:
+        config = build_verl_config(cfg, data_dir=str(data_dir), output_dir=str(out),
+                                   reward_path=REWARD_FUNCTION_MODULE,
+                                   tokenizer_path=None if tokenizer_dir is None else str(tokenizer_dir))
+    except Exception:
+        if tokenizer_dir is not None:
+            import shutil
+
+            shutil.rmtree(tokenizer_dir, ignore_errors=True)
+        raise
     tasks = {name: build_task(name, **dict(cfg.data.task_options.get(name, {}) or {})) for name in cfg.data.tasks}
     mixture = TaskMixture(tasks, dict(cfg.data.tasks), cfg.seed, cfg.data.val_size)
     files = export_parquet(mixture, data_dir, train_size=cfg.data.verl_train_size,
                            task_options=dict(cfg.data.task_options))
     log(f"exported {cfg.data.verl_train_size} training and {len(mixture.val)} validation rows to {data_dir}")
-    config = build_verl_config(cfg, data_dir=str(data_dir), output_dir=str(out), reward_path=str(REWARD_FUNCTION_FILE))
     cfg_path, script = write_config(config, out)
     log(f"veRL config validated by verl's own validator and written to {cfg_path}")
     lora = config.actor_rollout_ref.model.lora
@@ -98,6 +147,6 @@ def run_verl(cfg: Any, output_dir: str | Path, *, log=print) -> dict[str, Any]:
                               "vLLM load (e.g. model=flash model.hf_path=/data/DeepSeek-V4.1-Flash)")
     log(f"launching verl.trainer.main_ppo on {config.trainer.nnodes}×{config.trainer.n_gpus_per_node} GPUs "
         f"({gpus} visible here)")
-    launch(config)
+    launch(config, out)
     result["launched"] = True
     return result

@@ -218,3 +218,21 @@ def test_patch_form_reverts_the_dependencies_it_applied(patch_form, mcore_parall
 
 def test_no_twin_is_left_applied_after_a_both_forms_test():
     assert [t.meta.patch_id for t in _patching.discover().all() if t.applied] == []
+
+
+def test_patcher_add_creates_a_new_name_and_undo_removes_it():
+    import types
+
+    owner = types.SimpleNamespace(existing=1)
+    patcher = _patching.Patcher("FAKE-ADD")
+
+    def helper():
+        return "new"
+
+    patcher.add(owner, "helper", helper)
+    patcher.add(owner, "helper", helper)  # this patch's own: idempotent
+    assert owner.helper() == "new" and len(patcher.replaced) == 1
+    with pytest.raises(AttributeError, match="FAKE-ADD: .*existing already exists"):
+        patcher.add(owner, "existing", helper)
+    patcher.undo()
+    assert not hasattr(owner, "helper") and owner.existing == 1

@@ -117,3 +117,18 @@ def test_cli_cfg_job_prints_resolved_config(tmp_path):
     assert "name: sft" in out.stdout and "steps: 100" in out.stdout
     verl = _cli("+recipe=decoder_lora", "engine=verl", "--cfg", "job", cwd=tmp_path)
     assert verl.returncode == 0 and "mode: icepop" in verl.stdout and "router_replay: R3" in verl.stdout
+
+
+def test_main_command_help_and_readme_say_what_runs(tmp_path):
+    # what +recipe=decoder_lora runs by default ...
+    cfg = to_train_config(compose("decoder_lora"))
+    assert (cfg.algorithm.name, cfg.engine.name) == ("sft", "local")
+    # ... is what --help and the README's main command say
+    help_text = _cli("--help", cwd=tmp_path)
+    assert help_text.returncode == 0, help_text.stderr
+    assert "+recipe=decoder_lora, fine-tunes decoder-half LoRA" in help_text.stdout
+    assert "SFT (algorithm=sft" in help_text.stdout and "engine=local" in help_text.stdout
+    readme = (REPO / "README.md").read_text()
+    main_job = readme[readme.index("Install and run the main job"):readme.index("+recipe=decoder_lora\n```")]
+    assert "fine-tuned with SFT" in main_job and "GRPO on the built-in" not in main_job
+    assert list(tmp_path.iterdir()) == []  # --help writes no run directory

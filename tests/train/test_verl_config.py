@@ -1,5 +1,9 @@
 """engine=verl: the recipes compose into a complete veRL ppo_trainer config that veRL's own validator accepts."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("verl")
@@ -65,6 +69,25 @@ def test_full_linear_compresses_to_all_layer_patterns():
     assert not any("experts.*linear_fc2" in t for t in lean) and "*.layers.*.mlp.shared_experts.linear_fc2" in lean
 
 
+def test_cluster_recipe_is_the_studys_layout():
+    c = _build("decoder_lora_cluster")
+    assert (c.trainer.nnodes, c.trainer.n_gpus_per_node) == (4, 8)
+    meg = c.actor_rollout_ref.actor.megatron
+    assert (meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size) == (1, 1)
+    assert (meg.context_parallel_size, meg.expert_model_parallel_size) == (2, 16)
+    assert meg.dtype == "bfloat16" and c.actor_rollout_ref.rollout.dtype == "bfloat16"
+    assert meg.optimizer_offload and not meg.param_offload
+    recompute = meg.override_transformer_config
+    assert (recompute.recompute_granularity, recompute.recompute_method, recompute.recompute_num_layers) == (
+        "full", "uniform", 1)
+    assert c.actor_rollout_ref.actor.use_dynamic_bsz and c.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 4096
+    assert c.actor_rollout_ref.rollout.max_model_len == 4096
+    assert c.actor_rollout_ref.actor.optim.lr == 5e-5 and c.algorithm.adv_estimator == "grpo"
+    lora = c.actor_rollout_ref.model.lora
+    assert (lora.rank, lora.alpha, lora.merge) == (16, 32, False)
+    assert c.actor_rollout_ref.rollout.name == "vllm"
+
+
 def test_tis_and_bypass_variants_validate():
     c = _build("full_linear_r8", ["algorithm.rollout_correction.mode=tis", "algorithm.rollout_correction.bypass=true"])
     assert c.algorithm.rollout_correction.rollout_is_threshold == 2.0
@@ -95,10 +118,6 @@ def test_hydra_value_quoting():
 
 
 def _run(*args, cwd):
-    import os
-    import subprocess
-    import sys
-
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
     return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
 
@@ -119,6 +138,23 @@ def test_cli_engine_verl_on_cpu_stops_after_validation(tmp_path):
                    "job", cwd=tmp_path)
     assert cfg_job.returncode == 0, cfg_job.stderr[-3000:]
     assert "adv_estimator: grpo" in cfg_job.stdout and "rollout_is_threshold: 0.5_5.0" in cfg_job.stdout
+    # portable: no path of this machine in the config or the launch script; moved elsewhere, the script
+    # launches main_ppo with the run directory's files wherever it now lies
+    import shutil
+
+    for written in ("verl_ppo_trainer.yaml", "launch_verl.sh"):
+        text = (out / written).read_text()
+        assert str(tmp_path) not in text and sys.executable not in text and "/work/" not in text, written
+    assert "pkg://dsv4flash.tasks.verl_reward" in (out / "verl_ppo_trainer.yaml").read_text()
+    moved = shutil.copytree(out, tmp_path / "elsewhere" / "run")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    script = subprocess.run(["bash", str(moved / "launch_verl.sh"), "--cfg", "job"], capture_output=True, text=True,
+                            timeout=600, cwd=elsewhere, env=dict(os.environ, PYTHON=sys.executable))
+    assert script.returncode == 0, script.stderr[-3000:]
+    assert f"train_files: {moved}/verl_data/train.parquet" in script.stdout
+    assert f"default_local_dir: {moved}/verl_checkpoints" in script.stdout
+    assert (moved / "verl_data" / "train.parquet").is_file()
 
     import pyarrow.parquet as pq
 
@@ -140,3 +176,27 @@ def test_launch_needs_the_checkpoint_path(tmp_path):
                                                    "data.val_size=4"]))
     with pytest.raises(VerlConfigError, match="model.hf_path"):
         run_verl(cfg, tmp_path, log=lambda *_: None)
+
+
+def test_a_dsv4flash_base_gets_its_task_tokenizer_in_hf_form(tmp_path):
+    """veRL loads the tokenizer through transformers: a base's task tokenizer is written in HF form and used."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from dsv4flash.engine.model_io import save_base
+    from dsv4flash.model.transformer import Transformer
+    from dsv4flash.tasks import TaskTokenizer
+    from dsv4flash.train.verl_engine import run_verl
+
+    mcfg = load_config("tiny")
+    base = save_base(Transformer(mcfg, seed=0), mcfg, TaskTokenizer(mcfg), tmp_path / "base", {"kind": "test"})
+    cfg = to_train_config(compose("decoder_lora", ["engine=verl", "engine.launch=never", f"model.hf_path={base}",
+                                                   "data.verl_train_size=8", "data.val_size=4"]))
+    out = tmp_path / "run"
+    result = run_verl(cfg, out, log=lambda *_: None)
+    written = OmegaConf.load(result["config"])
+    assert written.actor_rollout_ref.model.tokenizer_path == "verl_tokenizer"  # run-relative, pinned at launch
+    hf = AutoTokenizer.from_pretrained(str(out / "verl_tokenizer"))
+    prompt = "how many triangles ? <image>"
+    assert hf(prompt, add_special_tokens=False)["input_ids"] == TaskTokenizer(mcfg).encode(prompt)
+    assert f"actor_rollout_ref.model.tokenizer_path=$here/verl_tokenizer" in (out / "launch_verl.sh").read_text()

@@ -11,7 +11,13 @@ vLLM on a trainer node, no megatron-core on a rollout node) is skipped and repor
 * DSV41-VERL-002 — MXFP4 MoE refit unwraps vLLM's LoRA `FusedMoEModularMethod`;
 * DSV41-VERL-003 — unmerged sync reconciles `.base_layer.` names by probing the live loader;
 * DSV41-VERL-004 — text-only R3 routing replay for image-span sequences;
-* DSV41-VERL-005 — adapter syncs reset vLLM's encoder cache (vision outputs are adapter-dependent).
+* DSV41-VERL-005 — adapter syncs reset vLLM's encoder cache (vision outputs are adapter-dependent);
+* DSV41-VERL-006 — the default process-group backend on a CPU platform is `cpu:gloo`;
+* DSV41-VERL-007 — the Ray resource check counts the platform's own resource;
+* DSV41-VERL-008 — `register_rollout`, a public register function for rollout backends.
+
+Loading the plugin also registers the CPU development platform (`cpu_platform`, `VERL_PLATFORM=cpu`) and,
+once `megatron.bridge` is imported, the project's Megatron-Bridge bridge (`register_bridge_when_imported`).
 
 See docs/verl.md.
 """
@@ -36,6 +42,9 @@ TRIGGERS = {
     "DSV41-VERL-003": "verl.workers.rollout.vllm_rollout.utils",
     "DSV41-VERL-004": "verl.workers.engine.megatron.transformer_impl",
     "DSV41-VERL-005": "verl.workers.rollout.vllm_rollout.vllm_async_server",
+    "DSV41-VERL-006": "verl.utils.distributed",
+    "DSV41-VERL-007": "verl.single_controller.ray.base",
+    "DSV41-VERL-008": "verl.workers.rollout.base",
 }
 OUTCOMES: dict = {}
 
@@ -59,6 +68,19 @@ def apply(patch_id: str):
             return outcome
         finally:
             _applying.discard(patch_id)
+
+
+def register_bridge_when_imported() -> None:
+    """Register the project's Megatron-Bridge bridge (`DeepseekV41ForCausalLM`) as soon as a veRL worker imports
+    `megatron.bridge`: veRL's Megatron engine builds its model with `AutoBridge.from_hf_pretrained`."""
+    from dsv4flash.post_import import when_imported
+
+    def register_bridge() -> None:
+        from dsv4flash.integrations import mbridge
+
+        mbridge.register()
+
+    when_imported("megatron.bridge", register_bridge)
 
 
 def register(now: bool = False) -> dict:

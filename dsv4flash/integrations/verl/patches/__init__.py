@@ -7,6 +7,9 @@
 | DSV41-VERL-003 | `base_layer_naming`   | unmerged sync probes the loader's `.base_layer.` naming         |
 | DSV41-VERL-004 | `r3_text_only`        | text-only R3 routing replay (row map + native image rows)      |
 | DSV41-VERL-005 | `encoder_cache_reset` | adapter syncs reset vLLM's encoder cache                       |
+| DSV41-VERL-006 | `gloo_backend_string` | `cpu:gloo` alone as the default backend on a CPU platform      |
+| DSV41-VERL-007 | `ray_resource_check`  | the Ray resource check counts the platform's resource          |
+| DSV41-VERL-008 | `rollout_register`    | `register_rollout`: a public register function for rollouts    |
 
 The upstream form of each lives in `patches/verl/` under the same Patch-Id. Importing these modules never
 imports veRL; `install()` does.

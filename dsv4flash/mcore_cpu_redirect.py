@@ -1,0 +1,168 @@
+"""CPU development mode for megatron-core 0.19.x: redirect its CUDA-only calls to the CPU.
+
+megatron-core places buffers on `torch.cuda.current_device()`, seeds and forks the CUDA RNG, creates
+CUDA streams/events, sometimes passes `device="cuda"` literally and converts split sizes to numpy only for
+CUDA tensors. `install()` points all of that at the CPU; `uninstall()` restores every attribute it replaced.
+It changes global torch state, so nothing installs it implicitly except veRL's CPU development platform
+(`VERL_PLATFORM=cpu`, `dsv4flash.integrations.verl.cpu_platform`), in its own worker processes and only
+where no CUDA device is visible (checked there); the tests use it through `tests.mcore_cpu.shim` (the same
+module state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+
+_CPU = torch.device("cpu")
+_FACTORIES = (
+    "zeros", "ones", "empty", "full", "tensor", "arange", "randn", "rand", "randint", "as_tensor",
+    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+)
+# Megatron logs this whenever a "CUDA" RNG fork touches the CPU stream, which is the point of the redirect.
+_RNG_WARNING = "CPU RNG state changed within GPU RNG context"
+
+_saved: list[tuple[Any, str, Any]] = []
+
+
+class _NullStream:
+    """Stands in for `torch.cuda.Stream` and `torch.cuda.Event`: every synchronisation is a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.device = _CPU
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        # wait_stream, wait_event, synchronize, record, record_event, query, current_stream_wait, ...
+        return lambda *args, **kwargs: None
+
+    def query(self) -> bool:
+        """An idle stream has always finished its work."""
+        return True
+
+    def record_event(self, event: Any = None) -> "_NullStream":
+        """Callers synchronise on the returned event later, so hand back a real (inert) object."""
+        return event if event is not None else _NullStream()
+
+
+class _DropRngWarning(logging.Filter):
+    """Drops Megatron's 'CPU RNG changed' warning, expected once CUDA RNG forks act on the CPU RNG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Keep every record except the one expected warning."""
+        return _RNG_WARNING not in record.getMessage()
+
+
+def _to_cpu(device: Any) -> Any:
+    """Map any CUDA device spec (str, int index, torch.device) to the CPU; leave others alone."""
+    if isinstance(device, torch.device):
+        return _CPU if device.type == "cuda" else device
+    if isinstance(device, str) and device.startswith("cuda"):
+        return _CPU
+    return device
+
+
+def _redirect_factory(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Wrap a tensor factory so an explicit `device="cuda..."` lands on the CPU."""
+
+    @functools.wraps(fn)
+    def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    factory.__wrapped_by_mcore_cpu_shim__ = fn  # type: ignore[attr-defined]
+    return factory
+
+
+def _replace(owner: Any, name: str, value: Any) -> None:
+    """Set `owner.name = value`, remembering the original for `uninstall()`."""
+    _saved.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def _cpu_rng_get(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """CUDA RNG state getters return the CPU RNG state."""
+    return torch.get_rng_state()
+
+
+def _cpu_rng_set(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    """CUDA RNG state setters set the CPU RNG state."""
+    torch.set_rng_state(new_state)
+
+
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """`moe_utils.maybe_move_tensor_to_cpu` for CPU tensors: numpy when asked, as the GPU path returns.
+
+    Stock code converts only CUDA tensors, so on CPU the alltoall dispatcher's split sizes stay tensors and
+    gloo's `all_to_all_single` rejects them once expert parallelism is > 1.
+    """
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.detach().numpy()
+    return tensor
+
+
+def installed() -> bool:
+    """Whether the redirect is active in this process."""
+    return bool(_saved)
+
+
+def install() -> None:
+    """Redirect CUDA-only calls to the CPU (idempotent). Imports megatron.core.tensor_parallel itself."""
+    if _saved:
+        return
+    from megatron.core.tensor_parallel import random as mcore_random  # must exist before we patch it
+
+    cuda = torch.cuda
+    _replace(cuda, "current_device", lambda: _CPU)
+    for owner in (cuda, cuda.random):
+        _replace(owner, "get_rng_state", _cpu_rng_get)
+        _replace(owner, "set_rng_state", _cpu_rng_set)
+        # Seeding the "CUDA" generator must not reseed the CPU stream that now stands in for it.
+        _replace(owner, "manual_seed", lambda seed: None)
+        _replace(owner, "manual_seed_all", lambda seed: None)
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    for owner in (moe_utils, token_dispatcher):
+        _replace(owner, "maybe_move_tensor_to_cpu", _host_copy)
+    _replace(mcore_random, "_get_cuda_rng_state", _cpu_rng_get)
+    _replace(mcore_random, "_set_cuda_rng_state", _cpu_rng_set)
+    _replace(cuda, "Stream", _NullStream)
+    _replace(cuda, "Event", _NullStream)
+    _replace(cuda, "current_stream", lambda *args, **kwargs: _NullStream())
+    _replace(cuda, "default_stream", lambda *args, **kwargs: _NullStream())
+    _replace(cuda, "stream", lambda *args, **kwargs: contextlib.nullcontext())
+    _replace(cuda, "synchronize", lambda *args, **kwargs: None)
+    _replace(torch.Tensor, "record_stream", lambda self, *args, **kwargs: None)
+    _replace(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+    for name in _FACTORIES:
+        _replace(torch, name, _redirect_factory(getattr(torch, name)))
+    rng_filter = _DropRngWarning()
+    rng_logger = logging.getLogger(mcore_random.__name__)
+    rng_logger.addFilter(rng_filter)
+    _saved.append((rng_logger, "__filter__", rng_filter))
+
+
+def uninstall() -> None:
+    """Restore everything `install()` replaced, newest first."""
+    while _saved:
+        owner, name, original = _saved.pop()
+        if name == "__filter__":
+            owner.removeFilter(original)
+        else:
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def cuda_redirect() -> Iterator[None]:
+    """Context manager form: install for the block, restore afterwards if this call installed it."""
+    owner = not installed()
+    install()
+    try:
+        yield
+    finally:
+        if owner:
+            uninstall()

@@ -1,0 +1,132 @@
+"""Check a typed run config against what the model and the engine can run, before anything is written.
+
+`check_run` runs first in `python -m dsv4flash.train` (and in `run_verl`): a LoRA field out of range, a
+rule adapting a module the placement keeps frozen, a parallel layout the CSA2 Megatron stack cannot run or
+a rollout backend veRL does not know is a one-line `RunConfigError` naming the key and the allowed values,
+raised before data is exported, a Ray cluster starts or a run directory gets content.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RunConfigError(ValueError):
+    """A run config key whose value the model or the engine cannot run (the message names key and allowed values)."""
+
+
+def check_run(cfg: Any) -> None:
+    """Raise RunConfigError for the first key of `cfg` that cannot run; engine-specific checks included."""
+    from dsv4flash.config import load_config
+
+    mcfg = load_config(cfg.model.flavour)
+    if cfg.lora.enabled:
+        check_lora(cfg.lora, mcfg)
+    if cfg.engine.name == "verl":
+        check_parallel_layout(cfg.engine, mcfg)
+        check_lengths_and_dtype(cfg.engine, cfg.data)
+        check_rollout_backend(cfg.engine.rollout)
+
+
+def lora_config(lora: Any):
+    """The `dsv4flash.lora.LoraConfig` of a recipe's `lora` node; its validation errors name `lora.<field>`."""
+    from dsv4flash.engine.local import _lora_config
+
+    try:
+        return _lora_config(lora)
+    except ValueError as err:
+        raise RunConfigError(str(err).replace("LoraConfig.", "lora.").replace("LoraConfig(", "lora(")) from None
+
+
+def check_lora(lora: Any, mcfg: Any) -> None:
+    """Field ranges, then the placement on the model (meta device): rules must select adaptable modules."""
+    from dsv4flash.lora import kv_write_modules, resolve_targets
+    from dsv4flash.lora.targets import candidates, rule_matches
+    from dsv4flash.train.verl_config import meta_model
+
+    lcfg = lora_config(lora)
+    model = meta_model(mcfg.to_json())
+    if lcfg.freeze_kv_write and not lcfg.include_from_preset:
+        frozen = set(kv_write_modules(model))
+        names = [c.name for c in candidates(model)]
+        for rule in lcfg.include:
+            hits = [n for n in names if rule_matches(rule, n)]
+            if hits and set(hits) <= frozen:
+                raise RunConfigError(f"lora.include rule {rule!r} selects only {hits}, which "
+                                     f"lora.freeze_kv_write=true keeps frozen (layer {model.cfg.decoder_start} "
+                                     "writes the shared KV); allowed: rules selecting other modules, or "
+                                     "lora.freeze_kv_write=false")
+    try:
+        resolve_targets(model, lcfg)
+    except ValueError as err:
+        raise RunConfigError(f"lora: {err}") from None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_parallel_layout(eng: Any, mcfg: Any) -> None:
+    """The Megatron actor's TP/PP/CP/EP against the CSA2 stack (docs/megatron.md §6) and the cluster size."""
+    world = eng.nnodes * eng.n_gpus_per_node
+    if eng.nnodes < 1 or eng.n_gpus_per_node < 1:
+        raise RunConfigError(f"engine.nnodes={eng.nnodes} and engine.n_gpus_per_node={eng.n_gpus_per_node} must be "
+                             ">= 1")
+    if eng.tensor_model_parallel_size != 1:
+        raise RunConfigError(f"engine.tensor_model_parallel_size={eng.tensor_model_parallel_size}: allowed: 1 "
+                             "(training with TP > 1 needs sequence parallelism, which the CSA2 stack lacks)")
+    if eng.pipeline_model_parallel_size != 1:
+        raise RunConfigError(f"engine.pipeline_model_parallel_size={eng.pipeline_model_parallel_size}: allowed: 1 "
+                             "(megatron-core 0.19 sends only hidden_states between stages; CSA2 needs more)")
+    cp = eng.context_parallel_size
+    cp_ok = _divisors(world)
+    if cp not in cp_ok:
+        raise RunConfigError(f"engine.context_parallel_size={cp} must divide the {world} ranks "
+                             f"(engine.nnodes x engine.n_gpus_per_node); allowed: {cp_ok}")
+    experts = mcfg.text.n_routed_experts
+    ep = eng.expert_model_parallel_size
+    ep_ok = [d for d in _divisors(experts) if world % d == 0]
+    if ep not in ep_ok:
+        raise RunConfigError(f"engine.expert_model_parallel_size={ep} must divide both the {experts} routed experts "
+                             f"of model={mcfg.name} and the {world} ranks; allowed: {ep_ok}")
+    rollout = [("engine.rollout_tensor_parallel_size", eng.rollout_tensor_parallel_size),
+               ("engine.rollout_expert_parallel_size", eng.rollout_expert_parallel_size)]
+    for key, size in rollout:
+        if size not in _divisors(world):
+            raise RunConfigError(f"{key}={size} must divide the {world} ranks; allowed: {_divisors(world)}")
+    if eng.rollout_expert_parallel_size > 1 and experts % eng.rollout_expert_parallel_size:
+        raise RunConfigError(f"engine.rollout_expert_parallel_size={eng.rollout_expert_parallel_size} must divide "
+                             f"the {experts} routed experts; allowed: {ep_ok}")
+
+
+VERL_DTYPES = ("bfloat16", "float16")
+
+
+def check_lengths_and_dtype(eng: Any, data: Any) -> None:
+    """veRL's Megatron engine dtypes; prompt + response must fit `engine.max_length`."""
+    if eng.dtype not in VERL_DTYPES:
+        raise RunConfigError(f"engine.dtype={eng.dtype!r}: allowed: {list(VERL_DTYPES)} (veRL's Megatron engine "
+                             "refuses float32)")
+    need = data.max_prompt_length + data.max_response_length
+    if eng.max_length is not None and eng.max_length < need:
+        raise RunConfigError(f"engine.max_length={eng.max_length} is below data.max_prompt_length + "
+                             f"data.max_response_length = {need}; allowed: >= {need}, or null")
+
+
+def rollout_backends() -> list[str]:
+    """Rollout names veRL can run as servers: in both its rollout registry and its replica registry."""
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    return sorted({name for name, mode in _ROLLOUT_REGISTRY if mode == "async"} & set(RolloutReplicaRegistry._registry))
+
+
+def check_rollout_backend(name: str) -> None:
+    """`engine.rollout` must name a backend registered with veRL (after the dsv4flash plugin has loaded)."""
+    import verl  # noqa: F401  (loads the verl.plugins entry points, which may register backends)
+
+    allowed = rollout_backends()
+    if name not in allowed:
+        raise RunConfigError(f"engine.rollout={name!r} is not a rollout backend registered with veRL; allowed: "
+                             f"{allowed}")
+
