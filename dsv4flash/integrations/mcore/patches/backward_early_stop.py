@@ -20,7 +20,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.mcore.patches import mcore_twin
 
 TOUCHES = (
     "megatron.core.model_parallel_config.ModelParallelConfig",
@@ -99,15 +100,10 @@ def upstream_has_early_stop() -> bool:
     return False
 
 
-@runtime_patch(
+@mcore_twin(
     patch_id="DSV41-MCORE-002",
-    target="NVIDIA/Megatron-LM",
-    distribution="megatron-core",
     versions=">=0.19.0,<0.20.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="megatron-core>=0.20.0",
     gate="DSV4FLASH_MCORE_BACKWARD_EARLY_STOP",
     tests=("tests/patches/test_mcore_backward_early_stop.py",),
     upstream_has_it=upstream_has_early_stop,

@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.mcore.patches import mcore_twin
 
 TOUCHES = ("megatron.core.transformer.moe.router.TopKRouter._apply_expert_bias",)
 
@@ -50,15 +51,12 @@ def upstream_masks_token_rows() -> bool:
     return fake_router.local_tokens_per_expert.tolist() == [1.0, 1.0]
 
 
-@runtime_patch(
+@mcore_twin(
     patch_id="DSV41-MCORE-001",
-    target="NVIDIA/Megatron-LM",
-    distribution="megatron-core",
     versions=">=0.19.0,<0.20.0",
     touches=TOUCHES,
     upstream_status="Backport [https://github.com/NVIDIA/Megatron-LM/pull/6114]",
     forwarded="not-needed",
-    remove_when="megatron-core>=0.20.0",
     gate="DSV4FLASH_MCORE_EXPERT_BIAS_PADDING",
     tests=("tests/patches/test_mcore_expert_bias_padding.py",),
     upstream_has_it=upstream_masks_token_rows,

@@ -20,7 +20,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.mcore.patches import mcore_twin
 
 TOUCHES = (
     "megatron.core.utils.is_host_resident",
@@ -91,15 +92,10 @@ def upstream_skips_host_resident() -> bool:
     return probe(param) is True and probe(torch.nn.Parameter(torch.zeros(1))) is False
 
 
-@runtime_patch(
+@mcore_twin(
     patch_id="DSV41-MCORE-005",
-    target="NVIDIA/Megatron-LM",
-    distribution="megatron-core",
     versions=">=0.19.0,<0.20.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="megatron-core>=0.20.0",
     gate="DSV4FLASH_MCORE_HOST_RESIDENT_PARAMS",
     tests=("tests/patches/test_mcore_host_resident_params.py",),
     upstream_has_it=upstream_skips_host_resident,

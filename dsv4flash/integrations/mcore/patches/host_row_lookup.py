@@ -20,7 +20,8 @@ from typing import Callable, Optional
 
 import torch
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.mcore.patches import mcore_twin
 
 MODULE = "megatron.core.models.common.embeddings.host_embedding"
 TOUCHES = (f"{MODULE}.HostRowLookupTable",)
@@ -118,15 +119,10 @@ def upstream_has_host_row_lookup() -> bool:
     return bool(table.weight.host_resident) and torch.equal(rows, table.weight.detach()[[2, 2, 0]])
 
 
-@runtime_patch(
+@mcore_twin(
     patch_id="DSV41-MCORE-006",
-    target="NVIDIA/Megatron-LM",
-    distribution="megatron-core",
     versions=">=0.19.0,<0.20.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="megatron-core>=0.20.0",
     gate="DSV4FLASH_MCORE_HOST_ROW_LOOKUP",
     tests=("tests/patches/test_mcore_host_row_lookup.py",),
     depends_on=("DSV41-MCORE-005",),

@@ -20,9 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import List, Optional, Set, Tuple, Union
+from typing import TYPE_CHECKING, List, Optional, Set, Tuple, Union
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.mcore.patches import mcore_twin
+
+if TYPE_CHECKING:  # the upstream signature's annotations; megatron-core is imported only when the twin installs
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.module import MegatronModule
+    from torch import Tensor
 
 TOUCHES = (
     "megatron.core.recompute.checkpointed_forward",
@@ -297,15 +303,10 @@ def upstream_carries_layer_state() -> bool:
     return out.item() == 4.0
 
 
-@runtime_patch(
+@mcore_twin(
     patch_id="DSV41-MCORE-007",
-    target="NVIDIA/Megatron-LM",
-    distribution="megatron-core",
     versions=">=0.19.2,<0.20.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="megatron-core>=0.20.0",
     gate="DSV4FLASH_MCORE_LAYER_STATE_RECOMPUTE",
     tests=("tests/patches/test_mcore_layer_state_recompute.py",),
     upstream_has_it=upstream_carries_layer_state,

@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.mcore.patches import mcore_twin
 from dsv4flash.integrations.mcore.patches import _routing
 
 TOUCHES = (
@@ -168,15 +169,10 @@ def upstream_has_modality_bias() -> bool:
     return bias.tolist() == [[0.0, 0.0], [1.0, 1.0]]
 
 
-@runtime_patch(
+@mcore_twin(
     patch_id="DSV41-MCORE-004",
-    target="NVIDIA/Megatron-LM",
-    distribution="megatron-core",
     versions=">=0.19.2,<0.20.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="megatron-core>=0.20.0",
     gate="DSV4FLASH_MCORE_MODALITY_EXPERT_BIAS",
     tests=("tests/patches/test_mcore_modality_expert_bias.py",),
     depends_on=("DSV41-MCORE-001", "DSV41-MCORE-003"),

@@ -22,7 +22,8 @@ from typing import Optional
 
 import torch
 
-from dsv4flash._patching import Patcher, runtime_patch
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.mcore.patches import mcore_twin
 from dsv4flash.integrations.mcore.patches import _routing
 
 TOUCHES = (
@@ -52,15 +53,10 @@ def upstream_routes_padding_with_zero_prob() -> bool:
         out_map[1].tolist() == [False, False, True, True]
 
 
-@runtime_patch(
+@mcore_twin(
     patch_id="DSV41-MCORE-003",
-    target="NVIDIA/Megatron-LM",
-    distribution="megatron-core",
     versions=">=0.19.2,<0.20.0",
     touches=TOUCHES,
-    upstream_status="Pending",
-    forwarded="no",
-    remove_when="megatron-core>=0.20.0",
     gate="DSV4FLASH_MCORE_PADDING_ZERO_PROB",
     tests=("tests/patches/test_mcore_padding_zero_prob.py",),
     depends_on=("DSV41-MCORE-001",),
