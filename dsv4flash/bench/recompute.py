@@ -110,18 +110,10 @@ def _megatron_session() -> Iterator[str]:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     on_gpu = torch.cuda.is_available()
     redirect = contextlib.nullcontext()
-    if not on_gpu:
-        tests_dir = Path(__file__).resolve().parents[2] / "tests"
-        if not (tests_dir / "mcore_cpu" / "shim.py").exists():
-            raise SystemExit("bench recompute: no CUDA device, and the CPU redirect (tests/mcore_cpu/shim.py) is "
-                             "only in a source checkout; run it from the repository or on a GPU")
-        import importlib.util
+    if not on_gpu:  # the CPU development mode's megatron-core redirect (never active with a GPU)
+        from dsv4flash.mcore_cpu_redirect import cuda_redirect
 
-        spec = importlib.util.spec_from_file_location("_dsv4flash_bench_cuda_redirect",
-                                                      tests_dir / "mcore_cpu" / "shim.py")
-        shim = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(shim)
-        redirect = shim.cuda_redirect()
+        redirect = cuda_redirect()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
