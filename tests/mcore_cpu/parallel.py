@@ -50,6 +50,7 @@ def model_parallel(
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe import moe_logging
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     world_size = world_size if world_size is not None else tp * pp * cp
     with shim.cuda_redirect(), gloo_group(rank, world_size, init_file):
@@ -62,11 +63,16 @@ def model_parallel(
         try:
             torch.manual_seed(seed)
             model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+            # The aux/z-loss backward scale is a class attribute that megatron-core's schedules set to the
+            # loss scale over micro-batches; one left by an earlier schedule in the process would scale these
+            # grads. None is a fresh process's state (1.0 on first use).
+            MoEAuxLossAutoScaler.main_loss_backward_scale = None
             yield
         finally:
             parallel_state.destroy_model_parallel()
             # The MoE metrics tracker is process-global; a stale one breaks the next model's aux-loss logging.
             moe_logging.set_moe_metrics_tracker(None)
+            MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 def _spawned_entry(rank: int, fn: Callable[..., Any], world_size: int, init_file: str, args: tuple) -> None:
