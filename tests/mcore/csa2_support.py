@@ -68,6 +68,28 @@ def assert_grads_match(ref, model, rel: float = 2e-4, reduce=None) -> int:
     return checked
 
 
+def assert_ep_grads(ref, model, want_grads: dict[str, torch.Tensor], rank: int, world_size: int) -> None:
+    """EP rank `rank` of `world_size`, both ranks fed the same batch: a local expert's grad is twice the
+    reference's (its tokens arrive from both ranks), every other grad equals the reference's."""
+    from dsv4flash.integrations.mcore.csa2 import name_map
+
+    params = dict(model.named_parameters())
+    local = ref.cfg.text.n_routed_experts // world_size
+    for pair in name_map(ref.cfg):
+        want = want_grads.get(pair.megatron)
+        if want is None or pair.megatron not in params and pair.expert is None:
+            continue
+        name = pair.megatron
+        if pair.expert is not None:
+            if pair.expert // local != rank:
+                continue
+            name = name.replace(f"local_experts.{pair.expert}.", f"local_experts.{pair.expert % local}.")
+            want = 2 * want
+        got = params[name].grad
+        err, scale = float((got - want).abs().max()), float(want.abs().max())
+        assert err <= 5e-4 * scale + 1e-7, f"rank {rank} {name}: |Δgrad| {err:.3g} vs {scale:.3g}"
+
+
 def reference_grads(ref) -> dict[str, torch.Tensor]:
     """Every reference gradient in Megatron layout under its Megatron name (tensors without one left out)."""
     from dsv4flash.integrations.mcore.csa2 import name_map

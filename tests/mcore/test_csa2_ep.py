@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.upstream, pytest.mark.parity]
 
 def _ep_rank(rank: int, world_size: int, expected_path: str) -> None:
     """One EP rank: its experts' weights, full logits, expert gradients from both ranks' tokens."""
-    from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider, load_reference_state, name_map
+    from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider, load_reference_state
 
     torch.set_num_threads(1)
     expected = torch.load(expected_path)
@@ -33,21 +33,7 @@ def _ep_rank(rank: int, world_size: int, expected_path: str) -> None:
         out = model(expected["ids"])
         torch.testing.assert_close(out, expected["logits"], rtol=0, atol=2e-5)
         (out * expected["weights"]).sum().backward()
-        params = dict(model.named_parameters())
-        local = ref.cfg.text.n_routed_experts // world_size
-        for pair in name_map(ref.cfg):
-            want = expected["grads"].get(pair.megatron)
-            if want is None or pair.megatron not in params and pair.expert is None:
-                continue
-            name = pair.megatron
-            if pair.expert is not None:
-                if pair.expert // local != rank:
-                    continue
-                name = name.replace(f"local_experts.{pair.expert}.", f"local_experts.{pair.expert % local}.")
-                want = 2 * want
-            got = params[name].grad
-            err, scale = float((got - want).abs().max()), float(want.abs().max())
-            assert err <= 5e-4 * scale + 1e-7, f"rank {rank} {name}: |Δgrad| {err:.3g} vs {scale:.3g}"
+        sup.assert_ep_grads(ref, model, expected["grads"], rank, world_size)
 
 
 @LAYOUT(ep=2, check="alltoall dispatcher: logits and every gradient (experts from both ranks' tokens)")

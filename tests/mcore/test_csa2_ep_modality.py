@@ -62,7 +62,7 @@ def _reference_logits(ref, ids, types, image):
 def _ep_modality_rank(rank: int, world_size: int, expected_path: str) -> None:
     from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
 
-    from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider, load_reference_state, name_map
+    from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider, load_reference_state
 
     torch.set_num_threads(1)
     expected = torch.load(expected_path)
@@ -84,21 +84,7 @@ def _ep_modality_rank(rank: int, world_size: int, expected_path: str) -> None:
         out = model(ids, decoder_input=emb, token_types=types)
         torch.testing.assert_close(out, expected["logits"], rtol=0, atol=2e-5)
         (out * expected["weights"]).sum().backward()
-        params = dict(model.named_parameters())
-        local = ref.cfg.text.n_routed_experts // world_size
-        for pair in name_map(ref.cfg):
-            want = expected["grads"].get(pair.megatron)
-            if want is None or pair.megatron not in params and pair.expert is None:
-                continue
-            name = pair.megatron
-            if pair.expert is not None:
-                if pair.expert // local != rank:
-                    continue
-                name = name.replace(f"local_experts.{pair.expert}.", f"local_experts.{pair.expert % local}.")
-                want = 2 * want
-            got = params[name].grad
-            err, scale = float((got - want).abs().max()), float(want.abs().max())
-            assert err <= 5e-4 * scale + 1e-7, f"rank {rank} {name}: |Δgrad| {err:.3g} vs {scale:.3g}"
+        sup.assert_ep_grads(ref, model, expected["grads"], rank, world_size)
 
         counted = sum(int(r.image_balance.local_tokens_per_expert.sum()) for r in routers)
         assert counted > 0, "no image token reached the image counter"
