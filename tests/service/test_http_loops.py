@@ -12,21 +12,6 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
 import dsv4flash.service as core  # noqa: E402
-from tests.service.http_server import running_server, service_client, write_keys  # noqa: E402
-
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    with running_server(root / "store", write_keys(root / "keys")) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def sdk(server):
-    with service_client(server) as client:  # __exit__ finishes the session (POST /sessions/{id}/finish)
-        yield client
 
 
 def _sl_datum(mod, tokens, prompt_len):

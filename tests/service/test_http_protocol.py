@@ -16,20 +16,7 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 
-from tests.service.http_server import KEYS, rest_client, running_server, service_client, write_keys  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    with running_server(root / "store", write_keys(root / "keys")) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def sdk(server):
-    with service_client(server) as client:
-        yield client
+from tests.service.http_server import KEYS, rest_client  # noqa: E402
 
 
 @pytest.fixture(scope="module")
