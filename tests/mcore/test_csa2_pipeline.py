@@ -24,7 +24,7 @@ import torch
 from dsv4flash.integrations.mcore.csa2.weights import global_name
 from tests.mcore import csa2_support as sup
 from tests.mcore.layout_matrix import LAYOUT
-from tests.mcore_cpu import parallel
+from tests.mcore_cpu import models, parallel
 
 pytestmark = [pytest.mark.upstream, pytest.mark.parity]
 
@@ -61,8 +61,6 @@ def _model(recompute: str):
     return model.train()
 
 
-
-
 def _layer_of(name: str) -> int:
     return int(name.split(".")[2]) if name.startswith("decoder.layers.") else -1
 
@@ -85,20 +83,6 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
-def _count_layer_backwards(model) -> list[int]:
-    """How often a gradient reached a layer's output (summed over layers and micro-batches)."""
-    counts = [0]
-
-    def on_forward(module, args, output):
-        hidden = output[0] if isinstance(output, tuple) else output
-        if hidden.requires_grad:
-            hidden.register_hook(lambda grad: counts.__setitem__(0, counts[0] + 1))
-
-    for layer in model.decoder.layers:
-        layer.register_forward_hook(on_forward)
-    return counts
-
-
 def _adapter_grads(model) -> dict[str, torch.Tensor]:
     return {global_name(n, model): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -112,7 +96,7 @@ def _pp_rank(rank: int, world_size: int, recompute: str, expected_path: str) -> 
     expected = torch.load(expected_path)
     with parallel.model_parallel(pp=world_size, rank=rank, world_size=world_size, seed=3):
         model = _model(recompute)
-        backward_count = _count_layer_backwards(model)
+        backward_count = models.count_layer_backwards(model)
         runs = {}
         for early in (False, True):
             model.zero_grad(set_to_none=True)

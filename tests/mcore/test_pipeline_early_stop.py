@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.mcore_cpu import models
 from tests.mcore_cpu import parallel as mcore_parallel
 
 pytestmark = pytest.mark.upstream
@@ -57,20 +58,6 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
-def _count_layer_backwards(model) -> list[int]:
-    """One counter per transformer layer: how often a gradient reached the layer's output."""
-    counts = [0]
-
-    def on_forward(module, args, output):
-        hidden = output[0] if isinstance(output, tuple) else output
-        if hidden.requires_grad:
-            hidden.register_hook(lambda grad: counts.__setitem__(0, counts[0] + 1))
-
-    for layer in model.decoder.layers:
-        layer.register_forward_hook(on_forward)
-    return counts
-
-
 def _run(model, early_stop: bool, seed: int):
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
@@ -98,7 +85,7 @@ def _pp_rank(rank: int, world_size: int, first_trainable: int) -> None:
         model = _gpt_stage(world_size, rank)
         for name, param in model.named_parameters():
             param.requires_grad_(rank >= first_trainable and any(t in name for t in TRAINABLE))
-        backward_count = _count_layer_backwards(model)
+        backward_count = models.count_layer_backwards(model)
 
         _, stock_losses, stock_grads, stock_stats = _run(model, early_stop=False, seed=7)
         stock_backwards, backward_count[0] = backward_count[0], 0

@@ -66,3 +66,17 @@ def gpt_inputs(batch: int, seq_len: int, vocab_size: int = 64, seed: int = 0) ->
         "position_ids": torch.arange(seq_len).expand(batch, seq_len).contiguous(),
         "attention_mask": causal_attention_mask(seq_len),
     }
+
+
+def count_layer_backwards(model) -> list[int]:
+    """A one-item counter: how often a gradient reached a decoder layer's output (over layers and micro-batches)."""
+    counts = [0]
+
+    def on_forward(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: counts.__setitem__(0, counts[0] + 1))
+
+    for layer in model.decoder.layers:
+        layer.register_forward_hook(on_forward)
+    return counts
