@@ -22,10 +22,10 @@ from tests.mcore.test_pipeline_early_stop import (
     SEQ,
     TRAINABLE,
     _batches,
-    _count_layer_backwards,
     _forward_step,
     _gpt_stage,
 )
+from tests.mcore_cpu import models
 from tests.mcore_cpu import parallel as mcore_parallel
 
 PATCH_ID = "DSV41-MCORE-002"
@@ -82,7 +82,7 @@ def _pp_rank(rank: int, world_size: int, first_trainable: int, form: str, out_di
         model = _gpt_stage(world_size, rank)
         for name, param in model.named_parameters():
             param.requires_grad_(rank >= first_trainable and any(t in name for t in TRAINABLE))
-        backwards = _count_layer_backwards(model)
+        backwards = models.count_layer_backwards(model)
         counts = _count_gradient_traffic(rank)
         stock_losses, stock_grads, stock_traffic, stock_backwards = _step(model, False, counts, backwards)
         losses, grads, traffic, early_backwards = _step(model, True, counts, backwards)
