@@ -4,9 +4,10 @@ Why: megatron-core 0.19.x has neither sparse attention over compressed keys pick
 variant attends to selected tokens, with no compressor, no sliding window with a sink, no grouped low-rank
 output projection) nor hyper-connections, so a DeepSeek-V4.1-style decoder cannot be built from its specs.
 
-How: the format-patch adds three files: `megatron/core/transformer/hyper_connection.py` (mHC config, the
+How: the format-patch adds four files: `megatron/core/transformer/hyper_connection.py` (mHC config, the
 coefficient module, `HyperConnectionTransformerLayer`), `megatron/core/transformer/experimental_attention_variant/
-csa2.py` (config, compressor, indexer with candidate pool, CSA2 self-attention) and
+csa2_layout.py` (per-sequence token positions and compression-group tables), `.../csa2.py` (config, compressor,
+indexer with candidate pool, CSA2 self-attention) and
 `megatron/core/models/gpt/csa2_layer_specs.py`. The very same files ship in this package under `_upstream/`
 (tests check they are byte-identical to the patch), and this twin executes them as those upstream modules on
 a stock install. They import only megatron-core; the layer state crosses full recompute through
@@ -26,6 +27,8 @@ SOURCE_ROOT = Path(__file__).resolve().parent / "_upstream"
 # Upstream module -> its file under SOURCE_ROOT (= its path in the Megatron-LM repository), in import order.
 MODULES = {
     "megatron.core.transformer.hyper_connection": "megatron/core/transformer/hyper_connection.py",
+    "megatron.core.transformer.experimental_attention_variant.csa2_layout":
+        "megatron/core/transformer/experimental_attention_variant/csa2_layout.py",
     "megatron.core.transformer.experimental_attention_variant.csa2":
         "megatron/core/transformer/experimental_attention_variant/csa2.py",
     "megatron.core.models.gpt.csa2_layer_specs": "megatron/core/models/gpt/csa2_layer_specs.py",

@@ -31,6 +31,10 @@ from typing import List, Optional, Tuple, Union
 import torch
 
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.experimental_attention_variant.csa2_layout import (
+    CSA2GroupTable,
+    CSA2TokenLayout,
+)
 from megatron.core.transformer.hyper_connection import HyperConnectionTransformerConfig
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -231,15 +235,16 @@ class CSA2Compressor(MegatronModule):
             submodules.norm, config=config, hidden_size=d, eps=config.layernorm_epsilon
         )
 
-    def forward(self, x: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
-        """x [b, t, h], members [b, N, ratio] token indices of each group -> latents [b, N, d]."""
-        values = _linear(self.linear_kv, x)  # [b, t, d]
-        b, n, r = members.shape
-        index = members.reshape(b, n * r, 1).expand(-1, -1, values.shape[-1])
+    def forward(self, x: torch.Tensor, layout: CSA2TokenLayout, table: CSA2GroupTable) -> torch.Tensor:
+        """x [b, s, h] local tokens -> latents [b, N, d] of the groups this rank owns (unrotated)."""
+        # Per-token projections first: a group may start on the extended axis (tokens of another rank).
+        values = layout.extend(_linear(self.linear_kv, x))  # [b, E, d]
+        b, n, r = table.members.shape
+        index = table.members.reshape(b, n * r, 1).expand(-1, -1, values.shape[-1])
         grouped = values.gather(1, index).view(b, n, r, -1)  # [b, N, r, d]
         if self.linear_gate is None:
             return self.norm(grouped[:, :, -1])
-        gates = _linear(self.linear_gate, x).gather(1, index).view(b, n, r, -1)
+        gates = layout.extend(_linear(self.linear_gate, x)).gather(1, index).view(b, n, r, -1)
         pooled = (torch.softmax(gates.float(), dim=2) * grouped.float()).sum(dim=2)
         return self.norm(pooled.to(x.dtype))
 
@@ -299,17 +304,20 @@ class CSA2Indexer(MegatronModule):
         return scores.masked_fill(~visible, float("-inf"))
 
     @torch.no_grad()
-    def candidate_pool(self, scores: torch.Tensor, reach: torch.Tensor) -> torch.Tensor:
-        """scores [b, s, T], reach [b, s] visible entries -> candidates [b, s, T] bool.
+    def candidate_pool(self, scores: torch.Tensor, table: CSA2GroupTable) -> torch.Tensor:
+        """scores [b, s, T] -> candidates [b, s, T] bool, blocks counted from each sequence's start.
 
         The best blocks by their max score, the newest visible block always included.
         """
         bs, top = self.config.csa2_candidate_block_size, self.config.csa2_candidate_topk_blocks
-        total = scores.shape[-1]
-        n_blocks = -(-total // bs)
-        padded = scores.new_full((*scores.shape[:-1], n_blocks * bs), float("-inf"))
-        padded[..., :total] = scores
+        cols = table.own_columns()  # [b, s, W]
+        width = cols.shape[-1]
+        own = scores.gather(-1, cols).masked_fill(~table.own_valid(width), float("-inf"))
+        n_blocks = -(-width // bs)
+        padded = own.new_full((*own.shape[:-1], n_blocks * bs), float("-inf"))
+        padded[..., :width] = own
         block_scores = padded.unflatten(-1, (n_blocks, bs)).amax(-1)  # [b, s, blocks]
+        reach = table.q_reach
         newest = (reach - 1).clamp(min=0) // bs
         blocks = torch.arange(n_blocks, device=scores.device)
         pin = (blocks == newest.unsqueeze(-1)) & (reach.unsqueeze(-1) > 0)
@@ -317,16 +325,25 @@ class CSA2Indexer(MegatronModule):
         values, indices = topk_lowest_first(block_scores, min(top, n_blocks))
         chosen = torch.zeros_like(block_scores, dtype=torch.bool)
         chosen.scatter_(-1, indices, values > float("-inf"))
-        return chosen.repeat_interleave(bs, dim=-1)[..., :total]
+        chosen = chosen.repeat_interleave(bs, dim=-1)[..., :width] & table.own_valid(width)
+        out = torch.zeros(scores.shape, dtype=torch.int8, device=scores.device)
+        return out.scatter_add(-1, cols, chosen.to(torch.int8)) > 0
 
     @torch.no_grad()
-    def select(self, scores: torch.Tensor, reach: torch.Tensor) -> torch.Tensor:
-        """scores [b, s, T], reach [b, s] -> top-k entry indices [b, s, k] sorted, -1 where unused."""
-        k = min(self.config.csa2_index_topk, scores.shape[-1])
-        values, indices = topk_lowest_first(scores, k)
-        indices = indices.masked_fill(values == float("-inf"), -1)
-        picked = indices.masked_fill(indices < 0, scores.shape[-1]).sort(dim=-1).values
-        return picked.masked_fill(picked == scores.shape[-1], -1)
+    def select(self, scores: torch.Tensor, table: CSA2GroupTable) -> torch.Tensor:
+        """scores [b, s, T] -> top-k row entries [b, s, k] sorted, -1 where unused.
+
+        Selected among each query's own sequence entries, so packing does not change the choice.
+        """
+        cols = table.own_columns()  # [b, s, W]
+        width = cols.shape[-1]
+        own = scores.gather(-1, cols).masked_fill(~table.own_valid(width), float("-inf"))
+        k = min(self.config.csa2_index_topk, width)
+        values, indices = topk_lowest_first(own, k)
+        picked = (indices + table.q_base.unsqueeze(-1)).masked_fill(values == float("-inf"), -1)
+        unused = table.num_entries  # sorts after every entry
+        picked = picked.masked_fill(picked < 0, unused).sort(dim=-1).values
+        return picked.masked_fill(picked == unused, -1)
 
 
 @dataclass
@@ -437,6 +454,15 @@ class CSA2SelfAttention(MegatronModule):
         """Rotations [..., rope_dim / 2] of this layer for integer positions [...]."""
         return rope_rotation(positions, self.config.csa2_rope_dim, self.rope_theta)
 
+    def token_layout(self, hidden_states: torch.Tensor, packed_seq_params=None) -> CSA2TokenLayout:
+        """Where the tokens of hidden_states [s, b, h] sit (one whole sequence per row)."""
+        if packed_seq_params is not None:
+            raise NotImplementedError("CSA2SelfAttention: packed (THD) sequences are not supported yet")
+        if self.config.context_parallel_size > 1:
+            raise NotImplementedError("CSA2SelfAttention: context parallelism is not supported yet")
+        s, b = hidden_states.shape[:2]
+        return CSA2TokenLayout.dense(b, s, hidden_states.device)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -449,21 +475,19 @@ class CSA2SelfAttention(MegatronModule):
 
         Causality comes from the window and the compressed-key visibility; attention_mask is not read.
         """
-        if packed_seq_params is not None:
-            raise NotImplementedError("CSA2SelfAttention: packed (THD) sequences are not supported yet")
+        layout = self.token_layout(hidden_states, packed_seq_params)
         state = tuple(layer_state) if layer_state else (None, None, None, None)
         x = hidden_states.transpose(0, 1)  # [b, s, h]
         b, s, _ = x.shape
-        positions = torch.arange(s, device=x.device).expand(b, s)
-        rot = self.rotation(positions)  # [b, s, rope_dim / 2]
+        rot = self.rotation(layout.pos)  # [b, s, rope_dim / 2]
         q_latent = self.q_layernorm(_linear(self.linear_q_down, x))  # [b, s, q_lora]
         q = _linear(self.linear_q_up, q_latent).unflatten(-1, (self.heads, self.head_dim))
         q = apply_rope(q, rot)  # [b, s, heads, d]
         keys = apply_rope(self.kv_layernorm(_linear(self.linear_kv, x)), rot)  # [b, s, d]
-        delta = positions.unsqueeze(-1) - positions.unsqueeze(1)  # [b, s, s] query - key
-        allowed = (delta >= 0) & (delta < self.config.csa2_sliding_window)
+        keys = layout.extend(keys)  # [b, E, d]
+        allowed = layout.window_mask(self.config.csa2_sliding_window)  # [b, s, E]
         if self.role.kind != "S":
-            state = self._compressed_keys(x, q_latent, rot, positions, state)
+            state = self._compressed_keys(x, q_latent, rot, layout, state)
             compressed, topk = state[0], state[2]  # [b, T, d], [b, s, k]
             total = compressed.shape[1]
             picked = torch.zeros(b, s, total + 1, dtype=torch.bool, device=x.device)
@@ -478,20 +502,16 @@ class CSA2SelfAttention(MegatronModule):
         out = _linear(self.linear_proj, z)  # [b, s, h]
         return out.transpose(0, 1).contiguous(), state
 
-    def _compressed_keys(self, x, q_latent, rot, positions, state) -> CSA2LayerState:
+    def _compressed_keys(self, x, q_latent, rot, layout: CSA2TokenLayout, state) -> CSA2LayerState:
         compressed, index_keys, topk, candidates = state
-        ratio = self.role.ratio
-        n_groups = x.shape[1] // ratio
-        reach = torch.div(positions + 1, ratio, rounding_mode="floor")  # [b, s] visible groups
+        table = layout.groups(self.role.ratio)
         if self.role.kind == "F":
-            starts = torch.arange(n_groups, device=x.device) * ratio
-            members = starts.unsqueeze(-1) + torch.arange(ratio, device=x.device)  # [N, r]
-            members = members.expand(x.shape[0], -1, -1)
-            latents = self.compressor(x, members)  # [b, N, d]
-            group_rot = self.rotation(starts.expand(x.shape[0], -1))  # RoPE at each group's start
-            compressed = apply_rope(latents, group_rot)
+            latents = self.compressor(x, layout, table)  # [b, N, d] owned groups
+            group_rot = self.rotation(table.owner_start)  # RoPE at each group's first token
+            compressed = layout.publish(apply_rope(latents, group_rot), table)  # [b, T, d]
             # Index keys only feed the discrete top-k: no language-model gradient.
             index_keys = self.indexer.index_keys(latents.detach(), group_rot).detach()
+            index_keys = layout.publish(index_keys, table, differentiable=False)
             candidates = None
         elif compressed is None:
             raise RuntimeError(
@@ -499,11 +519,10 @@ class CSA2SelfAttention(MegatronModule):
                 "(was the state of the previous layers passed on?)"
             )
         if self.indexer is not None:
-            visible = torch.arange(compressed.shape[1], device=x.device) < reach.unsqueeze(-1)
-            scores = self.indexer.scores(q_latent, x, index_keys, rot, visible)  # [b, s, T]
+            scores = self.indexer.scores(q_latent, x, index_keys, rot, table.visible())  # [b, s, T]
             if self.role.kind == "P":
-                candidates = self.indexer.candidate_pool(scores, reach)
+                candidates = self.indexer.candidate_pool(scores, table)
             elif self.role.uses_pool and candidates is not None:
                 scores = scores.masked_fill(~candidates, float("-inf"))
-            topk = self.indexer.select(scores, reach)
+            topk = self.indexer.select(scores, table)
         return compressed, index_keys, topk, candidates
