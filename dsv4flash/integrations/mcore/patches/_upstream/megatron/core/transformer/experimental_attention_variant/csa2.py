@@ -30,6 +30,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.experimental_attention_variant.csa2_layout import (
     CSA2GroupTable,
@@ -403,6 +404,9 @@ class CSA2SelfAttention(MegatronModule):
         **kwargs,
     ):
         super().__init__(config)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        self.pg_collection = pg_collection
         self.layer_number = layer_number
         self.role = csa2_layer_role(config, layer_number)
         tp = config.tensor_model_parallel_size
