@@ -13,16 +13,16 @@ computation written in the test) runs on the patched tree in tests/patches/test_
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.patches.test_mcore_hyper_connection import added_files
 
 PATCH_ID = "DSV41-MCORE-008"
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-ROOT = Path(__file__).resolve().parents[2]
 SEQ, BATCH, HIDDEN = 12, 2, 32
 
 
@@ -68,17 +68,13 @@ def test_stock_release_has_no_csa2_modules():
 
 
 def test_twin_runs_the_patch_files_byte_for_byte():
-    from dsv4flash.integrations.mcore.patches.csa2_attention import MODULES, SOURCE_ROOT
-    from dsv4flash.patchseries.series import load_series
+    from dsv4flash.integrations.mcore.patches import UPSTREAM_SOURCES
+    from dsv4flash.integrations.mcore.patches.csa2_attention import MODULES
 
-    patch = load_series(ROOT / "patches")["megatron-lm"].by_id()[PATCH_ID]
-    added = {f for f in patch.files if f"--- /dev/null\n+++ b/{f}" in patch.diff}
-    shipped = {str(p.relative_to(SOURCE_ROOT)) for p in SOURCE_ROOT.rglob("*.py")}
-    assert set(MODULES.values()) <= added <= shipped
-    for rel in sorted(added):
-        hunk = patch.diff.split(f"+++ b/{rel}\n", 1)[1].split("\ndiff --git", 1)[0]
-        body = "".join(line[1:] + "\n" for line in hunk.splitlines()[1:] if line.startswith("+"))
-        assert body == (SOURCE_ROOT / rel).read_text(), f"{rel}: the twin's copy differs from the patch"
+    added = added_files(PATCH_ID)
+    assert set(MODULES.values()) <= set(added)
+    for rel, body in added.items():
+        assert body == (UPSTREAM_SOURCES / rel).read_text(), f"{rel}: the twin's copy differs from the patch"
 
 
 def test_block_is_causal_and_trains_the_compressor_from_later_layers(patch_form, mcore_parallel):

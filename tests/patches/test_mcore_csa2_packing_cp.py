@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from tests.mcore_cpu import parallel as mcore_parallel_lib
+from tests.patches.test_mcore_hyper_connection import added_files
 
 PATCH_ID = "DSV41-MCORE-009"
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
-ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = 32
 LENGTHS, PADDED = [5, 8, 3], [6, 8, 4]  # real and slot lengths of the packed documents
 
@@ -77,21 +77,16 @@ def test_without_the_patch_csa2_refuses_packed_sequences(mcore_parallel):
 
 
 def test_twin_files_are_the_patches_files():
-    from dsv4flash.integrations.mcore.patches.csa2_attention import SOURCE_ROOT
-    from dsv4flash.patchseries.series import load_series
+    from dsv4flash.integrations.mcore.patches import UPSTREAM_SOURCES
+    from dsv4flash.integrations.mcore.patches.csa2_packing_cp import SOURCE
 
-    by_id = load_series(ROOT / "patches")["megatron-lm"].by_id()
-    added: dict[str, str] = {}
-    for pid in ("DSV41-MCORE-008", PATCH_ID):
-        patch = by_id[pid]
-        for rel in patch.files:
-            if f"--- /dev/null\n+++ b/{rel}" in patch.diff:
-                hunk = patch.diff.split(f"+++ b/{rel}\n", 1)[1].split("\ndiff --git", 1)[0]
-                added[rel] = "".join(line[1:] + "\n" for line in hunk.splitlines()[1:] if line.startswith("+"))
-    shipped = {str(p.relative_to(SOURCE_ROOT)) for p in SOURCE_ROOT.rglob("*.py")}
-    assert shipped == set(added)
+    added = {rel: body for pid in ("DSV41-MCORE-010", "DSV41-MCORE-008", PATCH_ID)
+             for rel, body in added_files(pid).items()}
+    # Every shipped file is some patch's new file, byte for byte (no stale or extra copies).
+    assert {str(p.relative_to(UPSTREAM_SOURCES)) for p in UPSTREAM_SOURCES.rglob("*.py")} == set(added)
+    assert SOURCE in added_files(PATCH_ID)
     for rel, body in added.items():
-        assert body == (SOURCE_ROOT / rel).read_text(), f"{rel}: the twin's copy differs from the patch"
+        assert body == (UPSTREAM_SOURCES / rel).read_text(), f"{rel}: the twin's copy differs from the patch"
 
 
 def test_packed_documents_match_separate_runs(patch_form, mcore_parallel):

@@ -5,6 +5,8 @@ imports them all. The upstream form of each lives in `patches/megatron-lm/` unde
 """
 
 import functools
+import importlib.util
+from pathlib import Path
 
 from dsv4flash._patching import runtime_patch
 
@@ -12,3 +14,16 @@ from dsv4flash._patching import runtime_patch
 # passes its own version window, and overrides the status where it is a backport).
 mcore_twin = functools.partial(runtime_patch, target="NVIDIA/Megatron-LM", distribution="megatron-core",
                                upstream_status="Pending", forwarded="no", remove_when="megatron-core>=0.20.0")
+
+# The files that format-patches add as new megatron-core modules, at their Megatron-LM repository paths. Twins of
+# such patches execute these files instead of keeping a copy of their code (tests compare them with the patches).
+UPSTREAM_SOURCES = Path(__file__).resolve().parent / "_upstream"
+
+
+def provide_upstream_files(patcher, modules: dict[str, str]) -> None:
+    """Make each upstream module name import the file `UPSTREAM_SOURCES / path` (in the given order)."""
+    for name, rel in modules.items():
+        spec = importlib.util.spec_from_file_location(name, UPSTREAM_SOURCES / rel)
+        module = importlib.util.module_from_spec(spec)
+        patcher.provide_module(name, module)  # registered before it runs: dataclasses look their module up
+        spec.loader.exec_module(module)

@@ -16,11 +16,9 @@ replaces `token_layout` with the patched method below.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 from dsv4flash._patching import MARKER, Patcher
-from dsv4flash.integrations.mcore.patches import mcore_twin
-from dsv4flash.integrations.mcore.patches.csa2_attention import SOURCE_ROOT
+from dsv4flash.integrations.mcore.patches import mcore_twin, provide_upstream_files
 
 CSA2 = "megatron.core.transformer.experimental_attention_variant.csa2"
 MODULE = "megatron.core.transformer.experimental_attention_variant.csa2_context_parallel"
@@ -63,8 +61,5 @@ def upstream_has_csa2_packing_cp() -> bool:
 )
 def install(patcher: Patcher) -> None:
     """Provide csa2_context_parallel from the patch's file and route token_layout through it."""
-    spec = importlib.util.spec_from_file_location(MODULE, SOURCE_ROOT / SOURCE)
-    module = importlib.util.module_from_spec(spec)
-    patcher.provide_module(MODULE, module)
-    spec.loader.exec_module(module)
+    provide_upstream_files(patcher, {MODULE: SOURCE})
     patcher.replace(importlib.import_module(CSA2).CSA2SelfAttention, "token_layout", token_layout)
