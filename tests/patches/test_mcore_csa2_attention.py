@@ -6,7 +6,7 @@ The stock test shows 0.19.2 has none of the modules. The twin executes the patch
 format-patch adds. The `patch_form` tests run with the twin on the installed megatron-core and on a copy of
 the pinned release with the patch applied: a real `TransformerBlock` built from `get_csa2_decoder_block_spec`
 must be causal, reproduce its gradients under uniform and block recompute, train the F layer's compressor
-from the later layers that read its keys, and agree between the forms. The in-patch unit test (a per-token
+from the later layers that read its keys (also with a MoE MLP), and agree between the forms. The in-patch unit test (a per-token
 computation written in the test) runs on the patched tree in tests/patches/test_upstream_unit_tests.py.
 """
 
@@ -117,3 +117,15 @@ def test_full_recompute_matches_no_recompute(patch_form, mcore_parallel, method,
     patch_form.record("output", out, atol=1e-5, rtol=1e-5)
     patch_form.record("grad_norms", {n: float(g.norm()) for n, g in grads.items() if g is not None}, atol=1e-4,
                       rtol=1e-4)
+
+
+def test_moe_mlp_in_the_csa2_layer(patch_form, mcore_parallel):
+    torch.manual_seed(83)
+    block = _block(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                   moe_token_dispatcher_type="alltoall")
+    assert type(block.layers[0].mlp).__name__ == "MoELayer"
+    out, grad_in, grads = _run(block, torch.randn(SEQ, BATCH, HIDDEN))
+    assert bool(torch.isfinite(out).all())
+    assert grads["layers.2.mlp.router.weight"].abs().sum() > 0  # routed through the mHC-collapsed input
+    assert grads["layers.1.self_attention.compressor.linear_gate.weight"].abs().sum() > 0
+    patch_form.record("output", out, atol=1e-5, rtol=1e-5)
