@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv4flash.config import load_config
 from dsv4flash.quant_plan import QuantRole, quant_role, scale_name
 from dsv4flash_bridge import codecs, mapping
 from dsv4flash_bridge.sharded import CheckpointReader
@@ -193,3 +194,31 @@ def test_host_pinned_engram_tables_load_and_export(mbridge, mcore, release, tmp_
     assert name in exported and scale_name(name) in exported  # the tables come from the model, not the source
     mbridge.save_release(exported.items(), release, tmp_path / "out")
     assert files(tmp_path / "out") == files(release)
+
+
+def test_vit_aligner_and_delimiters_round_trip_through_the_megatron_model(mbridge, mcore, release, tmp_path):
+    """The ViT, aligner and image delimiters are Megatron parameters: imported, exported from the model (nothing
+    copied through: `copy_missing=False`), bit-exact, and a trained ViT weight lands in its release row."""
+    from megatron.bridge import AutoBridge
+
+    auto = AutoBridge(mbridge.ReleasePretrained(release))
+    model = megatron_model(mbridge, release)
+    auto.load_hf_weights([model])
+    mbridge.save_release(auto.export_hf_weights([model], show_progress=False), release, tmp_path / "out",
+                         copy_missing=False)
+    assert files(tmp_path / "out") == files(release)
+    with CheckpointReader(release) as ckpt:
+        vision = [n for n in ckpt.names() if n.startswith(("vision.", "aligner.", "image_"))]
+    assert len(vision) == 2 + 8 * 2 + 1 + 4 + 3  # patch embed, 2 blocks, norm, aligner, delimiters
+    width = load_config("tiny").vision.hidden_size // 2  # rows per head
+    with torch.no_grad():  # Megatron row `width + 3` = head 0's k row 3 = release row 2·width + 3
+        model.vision_model.decoder.layers[1].self_attention.linear_qkv.weight[width + 3, 5] += 0.25
+    mbridge.save_release(auto.export_hf_weights([model], show_progress=False), release, tmp_path / "trained",
+                         copy_missing=False)
+    name = "vision.blocks.1.attn.wqkv.weight"
+    with CheckpointReader(release) as before, CheckpointReader(tmp_path / "trained") as after:
+        changed = [n for n in before.names() if not torch.equal(before.read(n).view(torch.uint8),
+                                                                 after.read(n).view(torch.uint8))]
+        assert changed == [name]
+        diff = (after.read(name) != before.read(name)).nonzero().tolist()
+    assert diff == [[2 * width + 3, 5]]

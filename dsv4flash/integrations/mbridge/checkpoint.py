@@ -72,7 +72,7 @@ def save_release(weights: Iterable[tuple[str, torch.Tensor]], source: str | Path
                  copy_missing: bool = True, overwrite: bool = False, chunk_bytes: int = 64 << 20) -> Path:
     """Write (release name, stored tensor) pairs into DST with SOURCE's shard headers, index and config.json
     verbatim. Each tensor may arrive at most once, with its stored dtype and shape. Tensors the stream lacks
-    (the parts a text-only Megatron model does not hold: ViT, aligner, delimiters, DSpark `mtp.*`) are copied
+    (the part the Megatron model does not hold: DSpark `mtp.*`) are copied
     from SOURCE byte for byte when `copy_missing`, else they are an error; a weight and its `.scale` must
     come from the same side. Atomic: built in DST.partial, renamed at the end, removed on any error."""
     source, dst = Path(source), Path(dst)
