@@ -22,13 +22,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["register", "is_registered", "SOURCE", "MODEL_TYPE", "ReleasePretrained", "save_release", "provider_for",
-           "DSV41LoRA", "save_peft_adapter"]
+__all__ = ["register", "is_registered", "SOURCE", "MODEL_TYPE", "ReleasePretrained", "RowChunk", "save_release",
+           "provider_for", "DSV41LoRA", "save_peft_adapter"]
 
 SOURCE = "DeepseekV41ForCausalLM"
 MODEL_TYPE = "deepseek_v41"
 _lock = threading.Lock()
-_LAZY = {"ReleasePretrained": "checkpoint", "save_release": "checkpoint", "DSV41LoRA": "grouped_lora",
+_LAZY = {"ReleasePretrained": "checkpoint", "save_release": "checkpoint", "RowChunk": "checkpoint", "DSV41LoRA": "grouped_lora",
          "save_peft_adapter": "peft_export"}
 
 
