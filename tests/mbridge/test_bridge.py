@@ -116,7 +116,10 @@ def test_autobridge_loads_the_release_with_32_block_decode(mbridge, mcore, relea
         torch.testing.assert_close(model.eval()(ids), reference.eval()(ids), rtol=0, atol=1e-5)
 
 
-def test_megatron_bridge_default_block_size_would_misdecode(mbridge):
+def test_megatron_bridge_default_block_size_is_refused_after_register(mbridge):
+    """Stock 0.6.2 decodes this silently wrong with its 128 default (tests/patches/test_mbridge_fp8_block_size.py);
+    with DSV41-MBRIDGE-002 applied by `register()` the default refuses the 32-block grid and block_size=32 agrees
+    with the bridge's own decode."""
     from megatron.bridge.models.conversion import quantization_utils as qu
 
     from dsv4flash.integrations.mbridge.bridge import DSV41Bridge
@@ -128,9 +131,9 @@ def test_megatron_bridge_default_block_size_would_misdecode(mbridge):
     state = {name: q, scale_name(name): s}
     ours = DSV41Bridge().maybe_modify_loaded_hf_weight(name, state)
     assert torch.equal(ours, codecs.decode(QuantRole.DENSE_FP8, q, s))
-    assert torch.equal(qu.dequantize_fp8_e4m3fn_with_scale(q, s, block_size=32, dtype=torch.float32), ours)
-    default = qu.maybe_dequantize_hf_quantized_weight(name, state, dtype=torch.float32)  # 128-row blocks
-    assert default.shape == ours.shape and (default - ours).abs().max() > 1.0  # wrong, and silently so
+    assert torch.equal(qu.maybe_dequantize_hf_quantized_weight(name, state, dtype=torch.float32, block_size=32), ours)
+    with pytest.raises(RuntimeError, match="FP8 scale grid mismatch"):
+        qu.maybe_dequantize_hf_quantized_weight(name, state, dtype=torch.float32)  # 128-row blocks
 
 
 def test_export_restores_the_release_bit_exactly(mbridge, mcore, release, tmp_path):
