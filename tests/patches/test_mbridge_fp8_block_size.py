@@ -66,7 +66,8 @@ def test_32_block_import_equals_the_release_codec(patch_form, qu, shape):
 
 def test_a_scale_grid_for_another_block_size_is_refused(patch_form, qu):
     q, s, _ = dense(64, 96)
-    with pytest.raises(RuntimeError, match=r"FP8 scale grid mismatch for 'l.weight'.*block_size=128 needs scale=\(1, 1\)"):
+    wrong = r"FP8 scale grid mismatch for 'l.weight'.*block_size=128 needs scale=\(1, 1\)"
+    with pytest.raises(RuntimeError, match=wrong):
         qu.maybe_dequantize_hf_quantized_weight("l.weight", {"l.weight": q, "l.scale": s}, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="FP8 scale grid mismatch"):
         qu.dequantize_fp8_e4m3fn_with_scale(q, torch.ones(2), block_size=128)  # 1-D row blocks of 32

@@ -29,8 +29,8 @@ __all__ = ["register", "is_registered", "SOURCE", "MODEL_TYPE", "ReleasePretrain
 SOURCE = "DeepseekV41ForCausalLM"
 MODEL_TYPE = "deepseek_v41"
 _lock = threading.Lock()
-_LAZY = {"ReleasePretrained": "checkpoint", "save_release": "checkpoint", "RowChunk": "checkpoint", "DSV41LoRA": "grouped_lora",
-         "save_peft_adapter": "peft_export"}
+_LAZY = {"ReleasePretrained": "checkpoint", "save_release": "checkpoint", "RowChunk": "checkpoint",
+         "DSV41LoRA": "grouped_lora", "save_peft_adapter": "peft_export"}
 
 
 def is_registered() -> bool:
