@@ -109,3 +109,40 @@ def test_pixel_inputs_are_checked(mcore):
         model(ids, token_types=types, pixel_values=pixel_values[:-1], image_grid_hw=grid)
     with pytest.raises(ValueError, match="need token_types"):
         model(ids, pixel_values=pixel_values, image_grid_hw=grid)
+
+
+def _tp_rank(rank: int, world_size: int, expected_path: str) -> None:
+    """One TP rank: its shard of the ViT/aligner (heads, MLP and aligner split), pixels in, full logits out."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider, load_reference_state
+
+    torch.set_num_threads(1)
+    expected = torch.load(expected_path)
+    ref = sup.reference(seed=0)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    try:
+        model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
+        model = DSV41ModelProvider(ref.cfg, parallel_output=False).provide()
+        load_reference_state(model, ref.state_dict(), tp_rank=rank, tp_size=world_size)
+        qkv = model.vision_model.decoder.layers[0].self_attention.linear_qkv.weight
+        assert qkv.shape[0] == 3 * ref.cfg.vision.hidden_size // world_size  # this rank's heads only
+        with torch.no_grad():
+            out = model.eval()(expected["ids"], token_types=expected["types"], pixel_values=expected["pixels"],
+                               image_grid_hw=expected["grid"])
+        torch.testing.assert_close(out, expected["logits"], rtol=0, atol=2e-5)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_encode_images_like_the_reference(tmp_path):
+    ref = sup.reference(seed=0).eval()
+    ids, types, images = vl_batch(ref.cfg, seed=3)
+    pixels, grid = pixel_inputs(images)
+    with torch.no_grad(), sup.single_thread():
+        logits = ref(ids, types, images)
+    path = tmp_path / "expected.pt"
+    torch.save({"ids": ids, "types": types, "pixels": pixels, "grid": grid, "logits": logits}, path)
+    parallel.spawn_gloo(_tp_rank, 2, str(path))
