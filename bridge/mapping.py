@@ -7,9 +7,9 @@ Three namespaces:
   built on the release's module tree, so this map is the identity on every non-scale name (declared by
   `reference_name`, checked by the tests against the model itself);
 - **megatron**: the names of the Megatron-Core model (`dsv4flash.integrations.mcore.csa2`) for the text
-  stack, and megatron-bridge-style names for the parts that model does not build (ViT, aligner, image
-  delimiters, DSpark `mtp.*`), so that a Megatron-named import and a Megatron-Bridge registry cover the
-  whole checkpoint.
+  stack and its first-stage ViT, aligner and image delimiters (`csa2/vision.py`), and megatron-bridge-style
+  names for DSpark `mtp.*` (which that model does not build), so that a Megatron-named import and a
+  Megatron-Bridge registry cover the whole checkpoint.
 
 A `Rule` is declarative, like a Megatron-Bridge `MegatronParamMapping`: a Megatron pattern, one or more
 release patterns (`*` = one integer index, captured in order and shared by every pattern of the rule), the

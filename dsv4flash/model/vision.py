@@ -18,7 +18,7 @@ from dsv4flash.model.norm import RMSNorm
 
 __all__ = [
     "VisionTower", "Aligner", "VisionBlock", "VisionAttention", "VisionMLP", "PatchEmbed",
-    "rope2d_angles", "apply_rope2d", "encode_images",
+    "rope2d_angles", "apply_rope2d", "merge_neighbourhoods", "encode_images",
 ]
 
 
@@ -166,6 +166,19 @@ class VisionTower(nn.Module):
         return [self(img.patches.to(self.patch_embed.proj.weight.device), img.grid_hw) for img in images]
 
 
+def merge_neighbourhoods(features: torch.Tensor, grid_hw: tuple[int, int], ratio: int, hidden: int) -> torch.Tensor:
+    """features [n_h*n_w, hidden] -> cells [H'*W', hidden·r²], lane c·r² + kh·r + kw, zero-padded edges."""
+    n_h, n_w = (int(g) for g in grid_hw)
+    if tuple(features.shape) != (n_h * n_w, hidden):
+        raise ValueError(f"Aligner: features must be [{n_h * n_w}, {hidden}] for grid {(n_h, n_w)}, "
+                         f"got {list(features.shape)}")
+    r = ratio
+    grid = features.reshape(n_h, n_w, hidden).permute(2, 0, 1)  # [C, n_h, n_w]
+    grid = F.pad(grid, (0, -n_w % r, 0, -n_h % r))  # zeros right and bottom
+    cells = F.unfold(grid.unsqueeze(0), kernel_size=r, stride=r)  # [1, C·r·r, H'·W']
+    return cells.squeeze(0).transpose(0, 1)  # [H'·W', C·r·r]
+
+
 class Aligner(nn.Module):
     """3×3 neighbourhood merge: zero-pad to multiples of 3, unfold (c·9 + kh·3 + kw), w2(GELU(w1(·))).
 
@@ -195,15 +208,7 @@ class Aligner(nn.Module):
 
     def merge(self, features: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
         """features [n_h*n_w, hidden] -> cells [H'*W', hidden·r²], lane c·r² + kh·r + kw, zero-padded edges."""
-        n_h, n_w = (int(g) for g in grid_hw)
-        if tuple(features.shape) != (n_h * n_w, self.hidden):
-            raise ValueError(f"Aligner: features must be [{n_h * n_w}, {self.hidden}] for grid {(n_h, n_w)}, "
-                             f"got {list(features.shape)}")
-        r = self.ratio
-        grid = features.reshape(n_h, n_w, self.hidden).permute(2, 0, 1)  # [C, n_h, n_w]
-        grid = F.pad(grid, (0, -n_w % r, 0, -n_h % r))  # zeros right and bottom
-        cells = F.unfold(grid.unsqueeze(0), kernel_size=r, stride=r)  # [1, C·r·r, H'·W']
-        return cells.squeeze(0).transpose(0, 1)  # [H'·W', C·r·r]
+        return merge_neighbourhoods(features, grid_hw, self.ratio, self.hidden)
 
     def forward(self, features: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
         """features [n_h*n_w, hidden] -> LLM rows [H'*W', D] in reading order."""

@@ -9,18 +9,23 @@ import pytest
 from tests.mcore_cpu.fixtures import cuda_redirect, mcore_parallel  # noqa: F401
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def mbridge():
-    """megatron-bridge 0.6.x imported through the CPU shims, `DSV41Bridge` registered; -> the integration package."""
+    """megatron-bridge 0.6.x imported through the CPU shims, `DSV41Bridge` registered and the megatron-bridge
+    runtime twins applied for the module (reverted after it, so no later test sees them); -> the package."""
     if importlib.util.find_spec("megatron.bridge") is None:
         pytest.skip("megatron-bridge is not installed")
     from tests.mbridge import shim
 
     shim.install()
+    from dsv4flash import _patching
     from dsv4flash.integrations import mbridge
 
     mbridge.register()
-    return mbridge
+    yield mbridge
+    for twin in reversed(_patching.REGISTRY.all()):
+        if twin.meta.distribution == "megatron-bridge" and twin.applied:
+            twin.revert()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv4flash.config import load_config
 from dsv4flash.quant_plan import QuantRole, quant_role, scale_name
 from dsv4flash_bridge import codecs, mapping
 from dsv4flash_bridge.sharded import CheckpointReader
@@ -115,7 +116,10 @@ def test_autobridge_loads_the_release_with_32_block_decode(mbridge, mcore, relea
         torch.testing.assert_close(model.eval()(ids), reference.eval()(ids), rtol=0, atol=1e-5)
 
 
-def test_megatron_bridge_default_block_size_would_misdecode(mbridge):
+def test_megatron_bridge_default_block_size_is_refused_after_register(mbridge):
+    """Stock 0.6.2 decodes this silently wrong with its 128 default (tests/patches/test_mbridge_fp8_block_size.py);
+    with DSV41-MBRIDGE-002 applied by `register()` the default refuses the 32-block grid and block_size=32 agrees
+    with the bridge's own decode."""
     from megatron.bridge.models.conversion import quantization_utils as qu
 
     from dsv4flash.integrations.mbridge.bridge import DSV41Bridge
@@ -127,9 +131,9 @@ def test_megatron_bridge_default_block_size_would_misdecode(mbridge):
     state = {name: q, scale_name(name): s}
     ours = DSV41Bridge().maybe_modify_loaded_hf_weight(name, state)
     assert torch.equal(ours, codecs.decode(QuantRole.DENSE_FP8, q, s))
-    assert torch.equal(qu.dequantize_fp8_e4m3fn_with_scale(q, s, block_size=32, dtype=torch.float32), ours)
-    default = qu.maybe_dequantize_hf_quantized_weight(name, state, dtype=torch.float32)  # 128-row blocks
-    assert default.shape == ours.shape and (default - ours).abs().max() > 1.0  # wrong, and silently so
+    assert torch.equal(qu.maybe_dequantize_hf_quantized_weight(name, state, dtype=torch.float32, block_size=32), ours)
+    with pytest.raises(RuntimeError, match="FP8 scale grid mismatch"):
+        qu.maybe_dequantize_hf_quantized_weight(name, state, dtype=torch.float32)  # 128-row blocks
 
 
 def test_export_restores_the_release_bit_exactly(mbridge, mcore, release, tmp_path):
@@ -193,3 +197,31 @@ def test_host_pinned_engram_tables_load_and_export(mbridge, mcore, release, tmp_
     assert name in exported and scale_name(name) in exported  # the tables come from the model, not the source
     mbridge.save_release(exported.items(), release, tmp_path / "out")
     assert files(tmp_path / "out") == files(release)
+
+
+def test_vit_aligner_and_delimiters_round_trip_through_the_megatron_model(mbridge, mcore, release, tmp_path):
+    """The ViT, aligner and image delimiters are Megatron parameters: imported, exported from the model (nothing
+    copied through: `copy_missing=False`), bit-exact, and a trained ViT weight lands in its release row."""
+    from megatron.bridge import AutoBridge
+
+    auto = AutoBridge(mbridge.ReleasePretrained(release))
+    model = megatron_model(mbridge, release)
+    auto.load_hf_weights([model])
+    mbridge.save_release(auto.export_hf_weights([model], show_progress=False), release, tmp_path / "out",
+                         copy_missing=False)
+    assert files(tmp_path / "out") == files(release)
+    with CheckpointReader(release) as ckpt:
+        vision = [n for n in ckpt.names() if n.startswith(("vision.", "aligner.", "image_"))]
+    assert len(vision) == 2 + 8 * 2 + 1 + 4 + 3  # patch embed, 2 blocks, norm, aligner, delimiters
+    width = load_config("tiny").vision.hidden_size // 2  # rows per head
+    with torch.no_grad():  # Megatron row `width + 3` = head 0's k row 3 = release row 2·width + 3
+        model.vision_model.decoder.layers[1].self_attention.linear_qkv.weight[width + 3, 5] += 0.25
+    mbridge.save_release(auto.export_hf_weights([model], show_progress=False), release, tmp_path / "trained",
+                         copy_missing=False)
+    name = "vision.blocks.1.attn.wqkv.weight"
+    with CheckpointReader(release) as before, CheckpointReader(tmp_path / "trained") as after:
+        changed = [n for n in before.names() if not torch.equal(before.read(n).view(torch.uint8),
+                                                                 after.read(n).view(torch.uint8))]
+        assert changed == [name]
+        diff = (after.read(name) != before.read(name)).nonzero().tolist()
+    assert diff == [[2 * width + 3, 5]]

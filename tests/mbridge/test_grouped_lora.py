@@ -123,3 +123,26 @@ def test_unmerged_export_leaves_the_base_bytes(adapted, mbridge, release, tmp_pa
     mbridge.save_release(weights, release, tmp_path / "base")
     for path in sorted(release.iterdir()):
         assert (tmp_path / "base" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+@pytest.mark.parametrize("adapt_vision", [False, True])
+def test_text_patterns_reach_the_vit_only_with_adapt_vision(mbridge, mcore, release, adapt_vision):
+    """`linear_proj` names both the text attention output and the ViT's: `DSV41LoRA` keeps adapters off the
+    (frozen) ViT and aligner unless asked, and then adapts them like any Megatron-Bridge linear."""
+    from megatron.bridge.peft.lora_layers import LoRALinear
+
+    model = mbridge.provider_for(release).provide()
+    model = mbridge.DSV41LoRA(target_modules=["*.linear_proj", "*.linear_fc1"], dim=4, alpha=8,
+                              adapt_vision=adapt_vision)(model, training=True)
+    wrapped = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    vision = {n for n in wrapped if n.startswith(("vision_model.", "vision_projection."))}
+    text = wrapped - vision
+    assert "decoder.layers.0.self_attention.linear_proj" in text
+    if adapt_vision:
+        assert vision == {f"vision_model.decoder.layers.{i}.{m}" for i in range(2)
+                          for m in ("self_attention.linear_proj", "mlp.linear_fc1")} | {
+                              "vision_projection.encoder.linear_fc1"}
+        assert all(p.requires_grad for n, p in model.named_parameters() if n.startswith("vision_") and ".adapter." in n)
+    else:
+        assert vision == set()
+        assert not any(p.requires_grad for n, p in model.named_parameters() if n.startswith("vision_"))

@@ -89,12 +89,13 @@ def test_every_megatron_tensor_has_a_reference_source(mcore):
 
     ref = sup.reference(seed=0)
     model = sup.megatron_from(ref)
-    mapped = {p.megatron for p in name_map(ref.cfg)}
+    pairs = name_map(ref.cfg, ("text", "vision"))
+    mapped = {p.megatron for p in pairs}
     persistent = {n for n in model.state_dict() if not n.endswith("._extra_state")}
     assert persistent == mapped
-    sources = {r for p in name_map(ref.cfg) for r in p.reference}
-    text_names = {n for n in ref.state_dict() if not n.startswith(("vision.", "aligner.", "image_", "mtp."))}
-    assert sources == text_names  # the whole text model, nothing invented
+    sources = {r for p in pairs for r in p.reference}
+    names = {n for n in ref.state_dict() if not n.startswith("mtp.")}
+    assert sources == names  # the whole text model, the ViT, aligner and delimiters; nothing invented
 
 
 def test_both_tie_rules_agree_with_the_reference_up_to_ties(mcore):

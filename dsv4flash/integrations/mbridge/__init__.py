@@ -5,7 +5,8 @@ Importing this package imports nothing from megatron-bridge. `register()` import
 `DSV41MegatronModel`, provider `DSV41ModelProvider` and model type "deepseek_v41". Megatron-Bridge's registry
 lets the last registration of a source win silently, so `register()` re-registers only when the dispatch no
 longer resolves to this bridge (another plugin, or a future upstream V4.1 bridge, registered over it);
-calling it again is otherwise a no-op. Use:
+calling it again is otherwise a no-op. It also applies the megatron-bridge runtime twins
+(`integrations/mbridge/patches/`, the upstream changes of `patches/megatron-bridge/`). Use:
 
     from dsv4flash.integrations import mbridge
     mbridge.register()
@@ -22,14 +23,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["register", "is_registered", "SOURCE", "MODEL_TYPE", "ReleasePretrained", "save_release", "provider_for",
-           "DSV41LoRA", "save_peft_adapter"]
+__all__ = ["register", "is_registered", "SOURCE", "MODEL_TYPE", "ReleasePretrained", "RowChunk", "save_release",
+           "provider_for", "DSV41LoRA", "save_peft_adapter"]
 
 SOURCE = "DeepseekV41ForCausalLM"
 MODEL_TYPE = "deepseek_v41"
 _lock = threading.Lock()
-_LAZY = {"ReleasePretrained": "checkpoint", "save_release": "checkpoint", "DSV41LoRA": "grouped_lora",
-         "save_peft_adapter": "peft_export"}
+_LAZY = {"ReleasePretrained": "checkpoint", "save_release": "checkpoint", "RowChunk": "checkpoint",
+         "DSV41LoRA": "grouped_lora", "save_peft_adapter": "peft_export"}
 
 
 def is_registered() -> bool:
@@ -49,9 +50,15 @@ def is_registered() -> bool:
 
 
 def register() -> type:
-    """Register `DSV41Bridge` with Megatron-Bridge (once; again only if something replaced it). Returns it."""
+    """Apply the megatron-bridge runtime twins, register `DSV41Bridge` (once; again only if something
+    replaced it). Returns it."""
     with _lock:
         from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+
+        from dsv4flash import _patching
+
+        _patching.discover()
+        _patching.REGISTRY.apply_all(distribution="megatron-bridge")  # idempotent; each twin checks its gate
 
         from dsv4flash.integrations.mbridge.bridge import DSV41Bridge
         from dsv4flash.integrations.mcore.csa2 import DSV41MegatronModel, DSV41ModelProvider

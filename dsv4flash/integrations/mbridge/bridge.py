@@ -8,7 +8,10 @@ Megatron-Core model (`DSV41MegatronModel`, built by `DSV41ModelProvider`).
   silently mis-decode), routed experts as MXFP4 (1×32, low nibble = even column), Engram rows per-row 1×32.
 - **Export** re-encodes every quantized weight with the checkpoint's own scales as `like_scale`, so an
   unchanged weight comes back byte-identical and a changed block gets its canonical power-of-two scale;
-  unquantized tensors are cast to their stored dtype. Re-encoding happens after LoRA merging (Megatron-Bridge
+  unquantized tensors are cast to their stored dtype. Engram tables (384 M rows at release size) leave in
+  row chunks (`RowChunk`, `engram_rows_per_chunk` rows each, encoded chunk by chunk against the matching
+  rows of the checkpoint's scales), so no tensor of a whole table's size is materialised on export, as on
+  import; `save_release` writes the chunks in place. Re-encoding happens after LoRA merging (Megatron-Bridge
   merges after `maybe_modify_converted_hf_weight`, which would add a delta to FP8 bytes), so it is done on
   the exported stream instead; grouped `wo_a` adapters are merged there too.
 - **Adapters**: `stream_adapter_weights_megatron_to_hf` adds the block-diagonal `wo_a` adapters
@@ -25,6 +28,7 @@ from megatron.bridge.models.conversion.model_bridge import HFWeightTuple, Megatr
 from megatron.core import parallel_state
 
 from dsv4flash.config import DSV41FlashConfig, load_config
+from dsv4flash.integrations.mbridge.checkpoint import RowChunk
 from dsv4flash.quant_plan import QuantRole, quant_role, scale_name
 from dsv4flash_bridge import codecs
 from dsv4flash_bridge.mapping import megatron_lookup
@@ -40,6 +44,7 @@ class DSV41Bridge(MegatronModelBridge):
     """HF-layout (release) V4.1 checkpoint <-> `DSV41MegatronModel`; registered by `register()`."""
 
     decode_dtype: torch.dtype = torch.float32  # exact for every valid stored tensor
+    engram_rows_per_chunk: int = 1 << 16  # Engram rows per import read and per export chunk
 
     # ---- model -----------------------------------------------------------------------------------------
     def provider_bridge(self, hf_pretrained):
@@ -73,7 +78,8 @@ class DSV41Bridge(MegatronModelBridge):
         models = super().load_weights_hf_to_megatron(hf_pretrained, megatron_model, allowed_mismatched_params)
         for model in unwrap_model(models if isinstance(models, list) else [models]):
             for prefix, table in _host_tables(model).items():
-                _fill_table(table, megatron_lookup(prefix + ".embed.weight").release[0], hf_pretrained.state)
+                _fill_table(table, megatron_lookup(prefix + ".embed.weight").release[0], hf_pretrained.state,
+                            self.engram_rows_per_chunk)
         return models
 
     def _load(self, name: str, hf_state_dict) -> torch.Tensor:
@@ -120,16 +126,20 @@ class DSV41Bridge(MegatronModelBridge):
         for model in models:  # host-pinned Engram tables: not parameters, so not in Megatron-Bridge's stream
             for prefix, table in _host_tables(model).items():
                 name = megatron_lookup(prefix + ".embed.weight").release[0]
-                if table.fp8:  # already the release's E4M3 rows + E8M0 scales: no copy, no re-encode
-                    yield HFWeightTuple(name, table.weight)
-                    yield HFWeightTuple(scale_name(name), table.scale.view(torch.float8_e8m0fnu))
+                if table.fp8:  # already the release's E4M3 rows + E8M0 scales: row views, no copy, no re-encode
+                    yield from _row_views(name, table.weight, self.engram_rows_per_chunk)
+                    yield from _row_views(scale_name(name), table.scale.view(torch.float8_e8m0fnu),
+                                          self.engram_rows_per_chunk)
                 elif weight_dtype is not None:
-                    yield HFWeightTuple(name, table.weight.to(weight_dtype))
+                    yield from _row_views(name, table.weight, self.engram_rows_per_chunk, weight_dtype)
                 else:
                     yield from self._to_release(name, table.weight, hf_state_dict)
 
     def _to_release(self, name: str, tensor: torch.Tensor, hf_state_dict) -> Iterator[HFWeightTuple]:
         role = quant_role(name)
+        if role == QuantRole.ENGRAM_FP8:  # per-row codec: chunk-wise encode is the whole encode, bit for bit
+            yield from self._engram_to_release(name, tensor, hf_state_dict)
+            return
         if role in _QUANTIZED:
             like = hf_state_dict[scale_name(name)]
             q, s = codecs.encode(role, tensor, like_scale=like, name=name)
@@ -137,6 +147,16 @@ class DSV41Bridge(MegatronModelBridge):
             yield HFWeightTuple(scale_name(name), s)
             return
         yield HFWeightTuple(name, tensor.to(_stored_dtype(name, hf_state_dict)))
+
+    def _engram_to_release(self, name: str, table: torch.Tensor, hf_state_dict) -> Iterator[HFWeightTuple]:
+        """An Engram table re-encoded row chunk by row chunk (each weight chunk, then its scale chunk)."""
+        total, step, scale = table.shape[0], self.engram_rows_per_chunk, scale_name(name)
+        for r0 in range(0, total, step):
+            r1 = min(total, r0 + step)
+            like = _read_rows(hf_state_dict, scale, r0, r1)
+            q, s = codecs.encode(QuantRole.ENGRAM_FP8, table[r0:r1], like_scale=like, name=name)
+            yield HFWeightTuple(name, RowChunk(q, r0, total))
+            yield HFWeightTuple(scale, RowChunk(s, r0, total))
 
     def stream_adapter_weights_megatron_to_hf(self, megatron_model, cpu: bool = True, show_progress: bool = True,
                                               exclude_adapter_base_prefixes: Optional[Iterable[str]] = None
@@ -186,24 +206,40 @@ def _host_tables(model: torch.nn.Module) -> dict:
     return out
 
 
+def _reader(hf_state_dict):
+    """The release reader behind a `ReleasePretrained` state (positioned row reads), else None."""
+    return getattr(getattr(hf_state_dict, "source", None), "reader", None)
+
+
+def _read_rows(hf_state_dict, name: str, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of a checkpoint tensor, read in place when the source can (no whole-tensor read)."""
+    reader = _reader(hf_state_dict)
+    return reader.read_rows(name, r0, r1) if reader is not None else hf_state_dict[name][r0:r1]
+
+
+def _row_views(name: str, tensor: torch.Tensor, rows_per_chunk: int, dtype: Optional[torch.dtype] = None
+               ) -> Iterator[HFWeightTuple]:
+    """A table as `RowChunk`s of views (cast chunk by chunk when `dtype` is given)."""
+    total = tensor.shape[0]
+    for r0 in range(0, total, rows_per_chunk):
+        rows = tensor[r0:r0 + rows_per_chunk]
+        yield HFWeightTuple(name, RowChunk(rows if dtype is None else rows.to(dtype), r0, total))
+
+
 @torch.no_grad()
 def _fill_table(table, name: str, hf_state_dict, rows_per_chunk: int = 1 << 16) -> None:
     """Stream a release Engram table into a host table, row chunk by row chunk: E4M3 rows and E8M0 scales
     copied as stored into an FP8 table, decoded into a float one. A table another rank fills is skipped."""
     if table.skip_load:
         return
-    source = getattr(hf_state_dict, "source", None)
-    reader = getattr(source, "reader", None)
+    reader = _reader(hf_state_dict)
     scale = scale_name(name)
     total = reader.info(name).rows if reader is not None else hf_state_dict[name].shape[0]
     if total != table.weight.shape[0]:
         raise ValueError(f"{name}: {total} rows in the checkpoint, the host table has {table.weight.shape[0]}")
     for r0 in range(0, total, rows_per_chunk):
         r1 = min(total, r0 + rows_per_chunk)
-        if reader is not None:
-            q, s = reader.read_rows(name, r0, r1), reader.read_rows(scale, r0, r1)
-        else:
-            q, s = hf_state_dict[name][r0:r1], hf_state_dict[scale][r0:r1]
+        q, s = _read_rows(hf_state_dict, name, r0, r1), _read_rows(hf_state_dict, scale, r0, r1)
         if table.fp8:
             table.weight[r0:r1].view(torch.uint8).copy_(q.view(torch.uint8))
             table.scale[r0:r1].view(torch.uint8).copy_(s.view(torch.uint8))

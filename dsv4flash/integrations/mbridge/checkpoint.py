@@ -6,7 +6,8 @@ positioned reads, clear errors) and whose `.config` comes from `config.json` wit
 which has no `deepseek_v41` model type. `AutoBridge(ReleasePretrained(path))` then dispatches to the
 registered V4.1 bridge. `save_release(weights, source, dst)` writes a stream of (release name, stored
 tensor) pairs, such as `DSV41Bridge.stream_weights_megatron_to_hf` yields, into the source's shard headers,
-so an unchanged model round-trips to byte-identical shards.
+so an unchanged model round-trips to byte-identical shards. A tensor may also arrive as consecutive
+`RowChunk`s (the bridge streams Engram tables so), each written in place as it comes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, NamedTuple
 
 import torch
 from megatron.bridge.models.hf_pretrained.causal_lm import PreTrainedCausalLM
@@ -26,7 +27,18 @@ from dsv4flash_bridge.convert_common import ConvertError, copy_rows, staging
 from dsv4flash_bridge.safetensors_io import SafetensorsWriter, TensorInfo, all_or_nothing
 from dsv4flash_bridge.sharded import CheckpointReader
 
-__all__ = ["ReleaseStateSource", "ReleasePretrained", "save_release"]
+__all__ = ["ReleaseStateSource", "ReleasePretrained", "RowChunk", "save_release"]
+
+
+class RowChunk(NamedTuple):
+    """Rows [start, start + len(rows)) of a stored tensor of `total` rows, in an export stream.
+
+    Not a tensor on purpose: a consumer that expects whole tensors fails on it instead of keeping one chunk.
+    """
+
+    rows: torch.Tensor
+    start: int
+    total: int
 
 
 class ReleaseStateSource(StateSource):
@@ -71,22 +83,31 @@ class ReleasePretrained(PreTrainedCausalLM):
 def save_release(weights: Iterable[tuple[str, torch.Tensor]], source: str | Path, dst: str | Path, *,
                  copy_missing: bool = True, overwrite: bool = False, chunk_bytes: int = 64 << 20) -> Path:
     """Write (release name, stored tensor) pairs into DST with SOURCE's shard headers, index and config.json
-    verbatim. Each tensor may arrive at most once, with its stored dtype and shape. Tensors the stream lacks
-    (the parts a text-only Megatron model does not hold: ViT, aligner, delimiters, DSpark `mtp.*`) are copied
+    verbatim. Each tensor may arrive at most once, with its stored dtype and shape, or as `RowChunk`s in row
+    order, written as they come (the largest tensor held is then one chunk). Tensors the stream lacks
+    (the part the Megatron model does not hold: DSpark `mtp.*`) are copied
     from SOURCE byte for byte when `copy_missing`, else they are an error; a weight and its `.scale` must
     come from the same side. Atomic: built in DST.partial, renamed at the end, removed on any error."""
     source, dst = Path(source), Path(dst)
     with CheckpointReader(source) as src, staging(dst, overwrite, False) as out:
         writers = {s: SafetensorsWriter.from_header(out / s, src.reader(s).header_blob) for s in src.index.shards}
         seen: set[str] = set()
+        rows_done: dict[str, int] = {}  # chunked tensors: rows written so far
         with all_or_nothing(writers):
             for name, tensor in weights:
                 if name not in src:
                     raise ConvertError(f"{name}: not a tensor of the release layout in {source}")
+                if isinstance(tensor, RowChunk):
+                    _write_chunk(writers[src.shard_of(name)], name, tensor, src.info(name), seen, rows_done)
+                    continue
                 if name in seen:
                     raise ConvertError(f"{name}: exported twice")
                 seen.add(name)
                 writers[src.shard_of(name)].write(name, tensor.detach().cpu().contiguous())
+            partial = [n for n, done in rows_done.items() if done != src.info(n).rows]
+            if partial:
+                raise ConvertError(f"{partial[0]}: the export stream ended after {rows_done[partial[0]]} of its "
+                                   f"{src.info(partial[0]).rows} rows")
             missing = [n for n in src.names() if n not in seen]
             if missing and not copy_missing:
                 raise ConvertError(f"{len(missing)} release tensors were not exported, e.g. {missing[0]}")
@@ -100,6 +121,20 @@ def save_release(weights: Iterable[tuple[str, torch.Tensor]], source: str | Path
             if path.is_file() and not path.name.endswith(".safetensors"):
                 shutil.copy2(path, out / path.name)
     return dst
+
+
+def _write_chunk(writer, name: str, chunk: RowChunk, info: TensorInfo, seen: set, rows_done: dict) -> None:
+    """Write the next row chunk of a tensor; chunks must come in order and cover the stored rows."""
+    done = rows_done.get(name)
+    if done is None and name in seen:
+        raise ConvertError(f"{name}: exported twice")
+    done = done or 0
+    if chunk.start != done or chunk.total != info.rows:
+        raise ConvertError(f"{name}: row chunk at {chunk.start} of {chunk.total} rows, expected row {done} of "
+                           f"{info.rows} (chunks must arrive in order)")
+    seen.add(name)
+    writer.write_rows(name, chunk.rows.detach().cpu().contiguous())
+    rows_done[name] = done + chunk.rows.shape[0]
 
 
 def _partner(name: str) -> str:

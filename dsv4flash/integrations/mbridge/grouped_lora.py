@@ -29,6 +29,7 @@ from dsv4flash.lora.functional import grouped_lora_delta, grouped_lora_forward
 __all__ = ["GroupedLoRAAdapter", "GroupedLoRAProjection", "DSV41LoRA", "grouped_adapters"]
 
 WO_A_MODES = ("per_group", "shared_a")
+VISION_PREFIXES = ("vision_model.", "vision_projection.")
 
 
 class GroupedLoRAAdapter(nn.Module):
@@ -84,12 +85,21 @@ class GroupedLoRAProjection(nn.Module):
 
 @dataclass
 class DSV41LoRA(LoRA):
-    """Megatron-Bridge `LoRA` that also adapts `linear_o_group_proj` block-diagonally (target it by name)."""
+    """Megatron-Bridge `LoRA` that also adapts `linear_o_group_proj` block-diagonally (target it by name).
+
+    The ViT's layers are named like the language model's (`vision_model.decoder.layers.*.self_attention.
+    linear_proj`), so a pattern such as `*.layers.*.linear_proj` matches both; `adapt_vision=False` (the
+    plugin's `vit="frozen"`) keeps adapters off the ViT and aligner whatever the patterns say.
+    """
 
     wo_a_lora: str = "per_group"
+    adapt_vision: bool = False
 
     def transform(self, module: nn.Module, name: Optional[str] = None, prefix: Optional[str] = None) -> nn.Module:
         """Wrap a matching grouped projection; everything else is Megatron-Bridge's LoRA."""
+        full = f"{prefix}.{name}" if prefix else (name or "")
+        if not self.adapt_vision and full.removeprefix("module.").startswith(VISION_PREFIXES):
+            return module
         if isinstance(module, GroupedOutputProjection):
             if self.match(module, name, prefix) is None:
                 return module

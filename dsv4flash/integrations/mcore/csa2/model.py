@@ -3,7 +3,10 @@
 `DSV41MegatronModel.forward(input_ids, position_ids, attention_mask, labels=None, *, token_types,
 packed_seq_params, padding_mask)` follows `GPTModel.forward`: logits [b, s, V] without labels, per-token
 loss [b, s] with them. Image spans (`token_types >= 0`) pick `bias_vl` in the router and take no Engram
-delta; pass their embeddings through `decoder_input` ([s, b, h], the vision tower lives elsewhere).
+delta. Their embeddings come from the model's own ViT + aligner (`vision_model`, `vision_projection`, first
+pipeline stage, frozen by default) given `pixel_values` [Σ n_h·n_w, 3·p·p] and `image_grid_hw` [n_images, 2]
+(`csa2/vision.py`), with the `embedding.image_start / image_newline / image_end` delimiter vectors, as
+the reference fills them; or pass ready embeddings through `decoder_input` ([s, b, h]).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from dsv4flash.integrations.mcore.csa2.block import CSA2TransformerBlock
 from dsv4flash.integrations.mcore.csa2.carry import CSA2Tokens
 from dsv4flash.integrations.mcore.csa2.config import with_dtype
 from dsv4flash.integrations.mcore.csa2.modules import KeepFP32
+from dsv4flash.integrations.mcore.csa2.vision import (DSV41VisionModel, DSV41VisionProjection, split_images,
+                                                      vision_transformer_config)
 from dsv4flash.model.engram import EngramHasher
 
 __all__ = ["DSV41MegatronModel"]
@@ -47,9 +52,12 @@ class DSV41MegatronModel(KeepFP32, LanguageModule):
         self.pre_process, self.post_process, self.vp_stage = pre_process, post_process, vp_stage
         self.model_type = ModelType.encoder_or_decoder  # what megatron-core's schedules read
         self.share_embeddings_and_output_weights = False
+        self.vision_model = self.vision_projection = None
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, self.vocab_size, self.max_sequence_length,
                                                     position_embedding_type="none", tp_group=self.tp_group)
+            if config.dsv4.vision.enabled:
+                self._build_vision(config)
         self.decoder = CSA2TransformerBlock(config, block_spec, pre_process=pre_process, post_process=post_process,
                                             pg_collection=self.pg_collection, vp_stage=vp_stage)
         stage_engram = any(getattr(layer, "engram", None) is not None for layer in self.decoder.layers)
@@ -61,6 +69,51 @@ class DSV41MegatronModel(KeepFP32, LanguageModule):
                                                      init_method=config.init_method, bias=False,
                                                      skip_bias_add=False, gather_output=not parallel_output,
                                                      tp_group=self.tp_group)
+
+    def _build_vision(self, config: Any) -> None:
+        vision, text = config.dsv4.vision, config.dsv4.text
+        vision_config = vision_transformer_config(config)
+        self.vision_model = DSV41VisionModel(vision_config, vision.patch_size, vision.rope_theta)
+        self.vision_projection = DSV41VisionProjection(vision_config, text.hidden_size, vision.downsample_ratio)
+        for name in ("image_start", "image_newline", "image_end"):  # REF init: N(0, std) like the embedding
+            vector = torch.empty(text.hidden_size, dtype=config.params_dtype)
+            if config.perform_initialization:
+                torch.nn.init.normal_(vector, std=text.initializer_range)
+            self.embedding.register_parameter(name, torch.nn.Parameter(vector))
+
+    def freeze(self, freeze_language_model: bool = False, freeze_vision_model: bool = False,
+               freeze_vision_projection: bool = False) -> None:
+        """Megatron-Bridge's VL `freeze`: no gradients for the language model / ViT / aligner parameters."""
+        vision = [m for m, on in ((self.vision_model, freeze_vision_model),
+                                  (self.vision_projection, freeze_vision_projection)) if on and m is not None]
+        if freeze_language_model:
+            vision_ids = {id(p) for m in (self.vision_model, self.vision_projection) if m is not None
+                          for p in m.parameters()}
+            for param in self.parameters():
+                if id(param) not in vision_ids:
+                    param.requires_grad_(False)
+        for module in vision:
+            module.requires_grad_(False)
+
+    def embed_images(self, embeddings: torch.Tensor, token_types: Optional[torch.Tensor],
+                     pixel_values: torch.Tensor, image_grid_hw: Any) -> torch.Tensor:
+        """ViT + aligner per image, written with the delimiters into the spans: [s, b, h] -> [s, b, h]."""
+        from dsv4flash.model.image import fill_image_embeddings
+
+        if self.vision_model is None:
+            raise ValueError("DSV41MegatronModel: pixel_values given, but this stage has no vision tower (the "
+                             "config has vision_config.num_hidden_layers == 0, or this is not the first stage)")
+        if token_types is None:
+            raise ValueError("DSV41MegatronModel: pixel_values need token_types marking the image spans")
+        if self.config.context_parallel_size > 1:
+            raise ValueError("DSV41MegatronModel: pixel_values with context parallelism are not supported (a rank "
+                             "holds part of each span); embed the images first and pass decoder_input")
+        rows = [self.vision_projection(self.vision_model(patches, grid), grid)
+                for patches, grid in split_images(pixel_values, image_grid_hw)]  # each [H'W', h]
+        e = self.embedding
+        filled = fill_image_embeddings(embeddings.transpose(0, 1), token_types, rows, e.image_start,
+                                       e.image_newline, e.image_end)  # [b, s, h]
+        return filled.transpose(0, 1)
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         """Pipeline hook: the previous stage's payload (a list of one tensor from the schedule)."""
@@ -95,6 +148,7 @@ class DSV41MegatronModel(KeepFP32, LanguageModule):
                 attention_mask: Optional[torch.Tensor] = None, decoder_input: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, *, token_types: Optional[torch.Tensor] = None,
                 packed_seq_params: Any = None, padding_mask: Optional[torch.Tensor] = None,
+                pixel_values: Optional[torch.Tensor] = None, image_grid_hw: Any = None,
                 **_unused: Any) -> torch.Tensor:
         """input_ids [b, s] -> logits [b, s, V] (fp32), or the per-token LM loss [b, s] when labels are given.
 
@@ -103,7 +157,12 @@ class DSV41MegatronModel(KeepFP32, LanguageModule):
         if decoder_input is not None or not self.pre_process:
             embeddings = decoder_input
         else:
-            embeddings = self.embedding(input_ids, position_ids)
+            embeddings = self.embedding(input_ids, position_ids)  # [s, b, h]
+            if pixel_values is not None:
+                embeddings = self.embed_images(embeddings, token_types, pixel_values, image_grid_hw)
+            elif self.vision_model is not None and token_types is not None and bool((token_types >= 0).any()):
+                raise ValueError("DSV41MegatronModel: token_types mark image spans but neither pixel_values nor "
+                                 "decoder_input was given")
         tokens = self.tokens(input_ids, embeddings, token_types=token_types, packed_seq_params=packed_seq_params,
                              padding_mask=padding_mask)
         hidden = self.decoder(embeddings, attention_mask, packed_seq_params=packed_seq_params,

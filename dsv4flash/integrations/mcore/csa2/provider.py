@@ -34,6 +34,8 @@ class DSV41ModelProvider:
     fused_router: bool = False  # TE fused top-k router (GPU, TE >= 2.13 for sqrtsoftplus)
     parallel_output: bool = True
     engram: Any = None  # spec/class for Engram layers (default: the plain lookup, CSA2Engram)
+    freeze_vision_model: bool = True  # the ViT (`vision_model`) gets no gradients, as Megatron-Bridge VL providers
+    freeze_vision_projection: bool = True  # the aligner (`vision_projection`)
     overrides: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -91,5 +93,8 @@ class DSV41ModelProvider:
             raise ValueError("DSV41ModelProvider: pre_process/post_process False needs pipeline parallelism "
                              "(pipeline_model_parallel_size > 1)")
         spec = get_csa2_block_spec(config, backend=self.backend, engram=self.engram)
-        return DSV41MegatronModel(config, spec, parallel_output=self.parallel_output, pre_process=pre_process,
-                                  post_process=post_process)
+        model = DSV41MegatronModel(config, spec, parallel_output=self.parallel_output, pre_process=pre_process,
+                                   post_process=post_process)
+        model.freeze(freeze_vision_model=self.freeze_vision_model,
+                     freeze_vision_projection=self.freeze_vision_projection)
+        return model

@@ -8,7 +8,9 @@ converter's Megatron naming and the Megatron-Bridge registration:
 
 - `copy`: replicated (norms, mHC, router, Engram);
 - `rows` / `cols`: split along dim 0 / dim 1 over tensor-parallel ranks (column- / row-parallel linears);
-- `glu`: `linear_fc1` = [w1 (gate) ; w3 (up)], each half split along dim 0;
+- `glu`: `linear_fc1` = [w1 (gate) ; w3 (up)] (or one stored [gate ; up], the ViT's), each half split
+  along dim 0;
+- the ViT's fused `wqkv` is reordered per head into [q_h ; k_h ; v_h] (`transform` "qkv"), then split;
 - experts are placed on expert-parallel ranks by megatron-core's contiguous expert split.
 
 `load_reference_state(model, state)` fills a Megatron model from a reference state dict and checks that
@@ -41,17 +43,24 @@ class NamePair:
     reference: tuple[str, ...]
     layout: str  # copy | rows | cols | glu
     expert: int | None = None  # global expert id (routed experts only)
+    transform: str = "concat"  # concat | qkv (fused [q ; k ; v] reordered per head)
 
 
-def name_map(cfg: DSV41FlashConfig) -> list[NamePair]:
-    """Every Megatron tensor of the text model with its reference source(s), in model order: the bridge's name
-    table (`dsv4flash_bridge.mapping`, one truth for the converter, Megatron-Bridge and this loader) applied to
-    the reference model's tensors."""
+def name_map(cfg: DSV41FlashConfig, parts: tuple[str, ...] = ("text",)) -> list[NamePair]:
+    """Every Megatron tensor of the text model (and of the ViT + aligner with `parts=("text", "vision")`) with
+    its reference source(s), in model order: the bridge's name table (`dsv4flash_bridge.mapping`, one truth for
+    the converter, Megatron-Bridge and this loader) applied to the reference model's tensors."""
     from dsv4flash.census import logical_shapes
     from dsv4flash_bridge.mapping import resolve
 
-    return [NamePair(m.megatron, m.reference, m.layout, m.expert)
-            for m in resolve(logical_shapes(cfg)) if m.part == "text"]
+    return [NamePair(m.megatron, m.reference, m.layout, m.expert, m.transform)
+            for m in resolve(logical_shapes(cfg)) if m.part in parts]
+
+
+def qkv_per_head(fused: torch.Tensor, heads: int) -> torch.Tensor:
+    """A fused [q ; k ; v] weight or bias -> Megatron's per-head [q_h ; k_h ; v_h] rows."""
+    rest = fused.shape[1:]
+    return fused.reshape(3, heads, -1, *rest).transpose(0, 1).reshape(fused.shape)
 
 
 def shard(tensor: torch.Tensor, layout: str, rank: int, size: int) -> torch.Tensor:
@@ -95,7 +104,8 @@ def _stage_name(name: str, model: torch.nn.Module) -> str | None:
         index, _, rest = name[len("decoder.layers."):].partition(".")
         local = int(index) - _first_layer(model)
         return f"decoder.layers.{local}.{rest}" if 0 <= local < len(layers) else None
-    if name.startswith("embedding.") and not getattr(model, "pre_process", True):
+    if name.startswith(("embedding.", "vision_model.", "vision_projection.")) and not getattr(
+            model, "pre_process", True):
         return None
     if (name.startswith("output_layer.") or name.startswith("decoder.final_layernorm.")) and not getattr(
             model, "post_process", True):
@@ -125,7 +135,8 @@ def load_reference_state(model: torch.nn.Module, state: Mapping[str, torch.Tenso
     local_experts = cfg.text.n_routed_experts // ep_size
     written: set[str] = set()
     through_state_dict: dict[str, torch.Tensor] = {}  # tensors held outside parameters()/buffers() (host tables)
-    for pair in name_map(cfg):
+    parts = ("text", "vision") if getattr(model, "vision_model", None) is not None else ("text",)
+    for pair in name_map(cfg, parts):
         name = _stage_name(pair.megatron, model)
         if name is None:
             continue
@@ -135,8 +146,13 @@ def load_reference_state(model: torch.nn.Module, state: Mapping[str, torch.Tenso
         missing = [r for r in pair.reference if r not in state]
         if missing:
             raise KeyError(f"reference state has no `{missing[0]}` (needed for Megatron `{name}`)")
-        parts = [shard(state[r], pair.layout, tp_rank, tp_size) for r in pair.reference]
-        value = torch.cat(parts, dim=0) if pair.layout == "glu" else parts[0]
+        sources = [state[r] for r in pair.reference]
+        if pair.transform == "qkv":
+            sources = [qkv_per_head(sources[0], cfg.vision.num_attention_heads)]
+        if pair.layout == "glu" and len(sources) == 1:  # one stored [gate ; up]
+            sources = list(sources[0].chunk(2, dim=0))
+        pieces = [shard(t, pair.layout, tp_rank, tp_size) for t in sources]
+        value = torch.cat(pieces, dim=0) if pair.layout == "glu" else pieces[0]
         if name not in targets:
             if name in persistent:  # e.g. a host-pinned Engram table: its own load_state_dict hook copies it
                 through_state_dict[name] = value

@@ -1,0 +1,15 @@
+"""Runtime twins for megatron-bridge, one module per upstream change (Patch-Id `DSV41-MBRIDGE-NNN`).
+
+Every module here registers itself with `dsv4flash._patching.runtime_patch`; `_patching.discover()` imports
+them all and `dsv4flash.integrations.mbridge.register()` applies them. The upstream form of each lives in
+`patches/megatron-bridge/` under the same Patch-Id. Importing a twin module imports no megatron-bridge;
+`install` does (on a CPU machine after `dsv4flash.mbridge_cpu_import.install()`).
+"""
+
+import functools
+
+from dsv4flash._patching import runtime_patch
+
+mbridge_twin = functools.partial(runtime_patch, target="NVIDIA-NeMo/Megatron-Bridge", distribution="megatron-bridge",
+                                 versions=">=0.6.2,<0.7.0", upstream_status="Pending", forwarded="no",
+                                 remove_when="megatron-bridge>=0.7.0")
