@@ -1,0 +1,173 @@
+"""The reference engine behind the dsv4flash rollout server: one resident base, the synced adapter bound per call.
+
+`RolloutEngine` holds the base once (`dsv4flash.service.resident.ResidentBase`); an adapter sync never merges:
+the received LoRA tensors become a placement shell's factors, plugged in for each generation (`bind`). A
+request is one prompt (compact: one `image_token_id` placeholder per image) sampled with the CSA2 decode
+cache (`dsv4flash.engine.sampling.generate`); the routes every MoE gate chose are recorded during that very
+generation and returned in the compact text-only form the project's replay reads (`dsv4flash.replay`): one
+row per compact token but the last, an image placeholder carrying its span's first row (never replayed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PEFT_PREFIX = "base_model.model."
+# sampling_params keys a veRL agent loop sends; anything else is refused by name (a silent ignore samples wrongly)
+_KNOWN_PARAMS = {"temperature", "top_p", "top_k", "repetition_penalty", "logprobs", "max_tokens", "max_new_tokens",
+                 "ignore_eos", "seed"}
+
+
+@dataclass
+class Generation:
+    """One request's result: response ids, their sampled log-probs, compact routes [R, L, k] and why it stopped."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    routed_experts: np.ndarray | None
+    stop_reason: str
+
+
+class RolloutEngine:
+    """Reference-model generation for veRL requests, with the last synced adapter (unmerged) or the bare base."""
+
+    def __init__(self, base_dir: str | Path, *, seed: int = 0) -> None:
+        from dsv4flash.engine import model_io
+        from dsv4flash.service.resident import ResidentBase
+
+        base_dir = Path(base_dir)
+        model_io.read_manifest(base_dir)  # a clear error when the path is not a dsv4flash base directory
+        self.base = ResidentBase(str(base_dir / "config.json"), base_dir=base_dir)
+        self.cfg = self.base.cfg
+        self.adapter: tuple | None = None  # (LoraConfig placement, canonical tensors)
+        self.version = 0  # adapter syncs applied
+        self._seeds = torch.Generator().manual_seed(seed)
+        self._seed_lock = threading.Lock()
+
+    # ---- weight sync ------------------------------------------------------------------------------
+    def set_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:
+        """Bind received LoRA tensors (bridge / vLLM names, experts per expert) as the adapter; the base is untouched."""
+        from dsv4flash.integrations.mbridge.peft_export import adapter_placement
+        from dsv4flash.lora.layouts import detect_modes, from_layout
+
+        for key in ("r", "lora_alpha"):
+            if key not in peft_config:
+                raise ValueError(f"adapter sync: peft_config has no {key!r} (got keys {sorted(peft_config)})")
+        rank, alpha = int(peft_config["r"]), float(peft_config["lora_alpha"])
+        plain = {name.removeprefix(PEFT_PREFIX): t.detach().to(torch.float32, copy=True) for name, t in tensors.items()}
+        canonical = from_layout(plain, "megatron", rank=rank, source="adapter sync")
+        wo_a_lora, _ = detect_modes(canonical)
+        try:
+            placement, _, _ = adapter_placement(canonical, self.cfg, rank=rank, alpha=alpha, wo_a_lora=wo_a_lora)
+        except ValueError as exc:
+            raise ValueError(f"adapter sync: received {exc}") from None
+        self.base.shell(placement)  # built outside the swap: generation keeps running on the old adapter
+        with self.base.lock:
+            self.adapter = (placement, canonical)
+            self.version += 1
+
+    def load_base_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy full base tensors (release names; `.base_layer.` spellings accepted) into the resident base."""
+        from dsv4flash.integrations.verl.weight_names import strip_base_layer
+
+        params = dict(self.base.model.named_parameters())
+        with self.base.lock, torch.no_grad():
+            for name, t in tensors:
+                key = strip_base_layer(name.removeprefix(PEFT_PREFIX))
+                if key not in params:
+                    raise KeyError(f"base sync: tensor {name!r} is not a parameter of the reference model")
+                if tuple(t.shape) != tuple(params[key].shape):
+                    raise ValueError(f"base sync: tensor {name!r} has shape {list(t.shape)}, the model expects "
+                                     f"{list(params[key].shape)}")
+                params[key].copy_(t.to(params[key].dtype))
+        return len(tensors)
+
+    def drop_adapter(self) -> None:
+        """Sample from the bare base again (a merged, full-weight sync)."""
+        with self.base.lock:
+            self.adapter = None
+
+    # ---- generation -------------------------------------------------------------------------------
+    def next_seed(self) -> int:
+        """A per-request seed from the server's own generator (deterministic per server seed)."""
+        with self._seed_lock:
+            return int(torch.randint(0, 2**31 - 1, (1,), generator=self._seeds))
+
+    def generate(self, prompt_ids: list[int], sampling_params: dict, *, max_tokens: int, images=None,
+                 ignore_eos: bool = False, record_routes: bool = False) -> Generation:
+        """Sample one continuation of `prompt_ids` (compact, images given separately) with the current adapter."""
+        from dsv4flash.engine.sampling import generate
+        from dsv4flash.model.image import TEXT, prepare_vl_inputs
+        from dsv4flash.replay import reference
+        from dsv4flash.service.sampling import process_logits
+        from dsv4flash.service.types import SamplingParams
+
+        unknown = sorted(set(sampling_params) - _KNOWN_PARAMS)
+        if unknown:
+            raise ValueError(f"dsv4flash rollout: unsupported sampling_params {unknown} (supported: "
+                             f"{sorted(_KNOWN_PARAMS)})")
+        if float(sampling_params.get("repetition_penalty", 1.0)) != 1.0:
+            raise ValueError(f"dsv4flash rollout: sampling_params.repetition_penalty must be 1.0, got "
+                             f"{sampling_params['repetition_penalty']!r}")
+        params = SamplingParams(max_tokens=max_tokens, temperature=float(sampling_params.get("temperature", 1.0)),
+                                top_k=int(sampling_params.get("top_k", -1)),
+                                top_p=float(sampling_params.get("top_p", 1.0)), seed=sampling_params.get("seed"))
+        params.check()
+        vocab = self.cfg.text.vocab_size
+        bad = [i for i, t in enumerate(prompt_ids) if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"dsv4flash rollout: prompt token at position {bad[0]} is {prompt_ids[bad[0]]}, "
+                             f"outside the vocabulary [0, {vocab})")
+        images = list(images or [])
+        if images:
+            ids, types, inputs = prepare_vl_inputs(prompt_ids, images, self.cfg, dtype=torch.float32)
+        else:
+            ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
+            types, inputs = torch.full_like(ids, TEXT), []
+        seed = params.seed if params.seed is not None else self.next_seed()
+        gen = torch.Generator().manual_seed(int(seed))
+        eos = -1 if ignore_eos else self.cfg.eos_token_id
+        with self._model() as model:
+            recorder = reference.record_routes(model) if record_routes else contextlib.nullcontext([])
+            with recorder as records:
+                out = generate(model, [(ids, types, inputs)], max_new_tokens=params.max_tokens, eos_id=eos,
+                               pad_id=self.cfg.pad_token_id, temperature=params.temperature, generator=gen,
+                               logprobs_fn=lambda last: process_logits(last, params))
+        tokens = out.response(0)
+        log_probs = out.logprobs[0][out.mask[0]].tolist()
+        routes = _compact_routes(records, len(reference._gates(self.base.model)), types, len(tokens)) \
+            if record_routes else None
+        return Generation(tokens, log_probs, routes, "completed")  # eos or max_tokens: vLLM's stop/length
+
+    def _model(self):
+        """The model to run under the base lock: the shell with the adapter bound, or the bare base."""
+        from dsv4flash.service.sampling import _plain
+
+        if self.adapter is None:
+            return _plain(self.base)
+        placement, tensors = self.adapter
+        return self.base.bind(placement, tensors)
+
+
+def _compact_routes(records: list[torch.Tensor], n_layers: int, prompt_types: torch.Tensor,
+                    n_tokens: int) -> np.ndarray:
+    """Gate records of one generation (prefill, then one row per decode step; each layer in turn) -> compact
+    routes [compact prompt + response − 1, L, k] int32."""
+    from dsv4flash.replay import ImageSpanLayout
+
+    if len(records) % n_layers:
+        raise RuntimeError(f"route recording: {len(records)} gate calls is not a multiple of {n_layers} MoE layers")
+    per_layer = [torch.cat(records[layer::n_layers]) for layer in range(n_layers)]  # each [R_e, k]
+    expanded = torch.stack(per_layer, dim=1)  # [R_e, L, k]
+    prompt = ImageSpanLayout.from_token_types(prompt_types)
+    full = ImageSpanLayout(prompt.compact_len + n_tokens, prompt.placeholder_rows, prompt.span_lengths)
+    if expanded.shape[0] != full.expanded_len - 1:
+        raise RuntimeError(f"route recording: {expanded.shape[0]} rows for an expanded sequence of "
+                           f"{full.expanded_len} tokens (expected one fewer)")
+    return expanded[full.expanded_rows()[: full.compact_len - 1]].to(torch.int32).numpy()
