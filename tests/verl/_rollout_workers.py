@@ -26,12 +26,16 @@ class RolloutSyncWorker(Worker):
         self.rollout = get_rollout_class(config.name, config.mode)(config=config, model_config=None, device_mesh=None)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def update_weights(self, tensors: dict, lora: dict, global_steps: int):
-        """veRL's unmerged-LoRA sync: resume weights, push the adapter, resume the KV cache."""
+    def update_weights(self, tensors: dict, lora: dict, global_steps: int, base: dict | None = None):
+        """veRL's unmerged-LoRA sync: resume weights, the base first when it was never synced (load_format
+        dummy), then the adapter, resume the KV cache."""
         from verl.utils.megatron_peft_utils import build_peft_config_for_vllm
 
         async def sync():
             await self.rollout.resume(tags=["weights"])
+            if base is not None:
+                await self.rollout.update_weights(iter(base.items()), peft_config=build_peft_config_for_vllm(lora),
+                                                  base_sync_done=False, global_steps=global_steps)
             await self.rollout.update_weights(iter(tensors.items()), peft_config=build_peft_config_for_vllm(lora),
                                               base_sync_done=True, global_steps=global_steps)
             await self.rollout.resume(tags=["kv_cache"])

@@ -33,23 +33,31 @@ def base_dir(tmp_path_factory):
                               tmp_path_factory.mktemp("rollout") / "base", {"kind": "test"})
 
 
-@pytest.fixture(scope="module")
-def reference(base_dir):
-    """The reference model with a decoder-half LoRA (random non-zero factors) and the bridge's tensors of it."""
-    from dsv4flash.engine import model_io
-    from dsv4flash.lora import LoraConfig, apply_lora, lora_parameters, lora_state_dict, to_layout
+def _lora_model(cfg, base_seed: int):
+    """The reference model on base `base_seed` with a decoder-half LoRA (fixed random non-zero factors)."""
+    from dsv4flash.lora import LoraConfig, apply_lora, lora_parameters
     from dsv4flash.model.transformer import Transformer
 
-    model = Transformer(model_io.base_config(base_dir), seed=None)
-    model_io.load_base_weights(model, base_dir)
+    model = Transformer(cfg, seed=base_seed)
+    base = {k: v.detach().clone() for k, v in model.named_parameters()}
     apply_lora(model, LoraConfig(preset="decoder_half", rank=LORA["rank"], alpha=LORA["alpha"]))
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in lora_parameters(model).values():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model.eval(), base
+
+
+@pytest.fixture(scope="module")
+def reference(base_dir):
+    """The base directory's model with the LoRA, and the bridge's tensors of that LoRA."""
+    from dsv4flash.engine import model_io
+    from dsv4flash.lora import lora_state_dict, to_layout
+
+    model, _ = _lora_model(model_io.base_config(base_dir), base_seed=0)  # the seed base_dir was saved with
     # per-expert 2-D factors in release names: what DSV41Bridge.stream_adapter_weights_megatron_to_hf yields
     tensors = dict(to_layout(lora_state_dict(model), "megatron").tensors)
-    return model.eval(), {k: v.clone() for k, v in tensors.items()}
+    return model, {k: v.clone() for k, v in tensors.items()}
 
 
 def _image(seed: int = 0):
@@ -111,16 +119,25 @@ def test_engine_samples_the_synced_adapter_unmerged_and_records_compact_routes(b
     base_before = {k: v.clone() for k, v in engine.base.model.state_dict().items()}
     prompt, images = _prompt(cfg, True), [_image(0)]
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": 11}
-    plain = engine.generate(prompt, dict(params), max_tokens=6, images=images, ignore_eos=True)
+    # the random tiny base is near uniform: a low temperature makes the adapter's shift visible in the tokens
+    cold = {**params, "temperature": 0.1}
+    plain = engine.generate(prompt, dict(cold), max_tokens=6, images=images, ignore_eos=True)
     engine.set_adapter(tensors, {"r": LORA["rank"], "lora_alpha": LORA["alpha"]})
+    assert engine.generate(prompt, dict(cold), max_tokens=6, images=images, ignore_eos=True).token_ids != \
+        plain.token_ids  # same seed: the adapter changes what is sampled
     out = engine.generate(prompt, dict(params), max_tokens=6, images=images, ignore_eos=True, record_routes=True)
     lp, routes_ref, types_ref = _reference_logprobs(model, prompt, images, out.token_ids)
     assert torch.allclose(torch.tensor(out.log_probs), lp, atol=1e-5, rtol=0)
-    assert out.token_ids != plain.token_ids  # same seed, the adapter changes what is sampled
     _assert_routes_expand_to_reference(cfg, prompt, images, {"routed_experts": out.routed_experts,
                                                             "token_ids": out.token_ids}, routes_ref, types_ref)
     after = engine.base.model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in base_before.items())  # never merged into the resident base
+    # the packed 3-D expert form (veRL's packed-MoE flag / fused expert names) binds the same adapter
+    from dsv4flash.lora import lora_state_dict
+
+    engine.set_adapter(dict(lora_state_dict(model)), {"r": LORA["rank"], "lora_alpha": LORA["alpha"]})
+    again = engine.generate(prompt, dict(params), max_tokens=6, images=images, ignore_eos=True)
+    assert again.token_ids == out.token_ids and again.log_probs == out.log_probs and engine.version == 2
 
 
 def test_bad_input_is_refused_by_name(base_dir, reference):
@@ -184,7 +201,10 @@ def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypa
 
     from tests.verl import _cpu_platform, _rollout_workers
 
-    model, tensors = reference
+    _, tensors = reference
+    # veRL's first sync under load_format=dummy sends the full base first: a different base (seed 1) here, so
+    # the served log-probs can only match if the base sync landed too
+    model, synced_base = _lora_model(reference[0].cfg, base_seed=1)
     cfg = model.cfg
     config = _verl_config(base_dir)
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only (see test_cpu_platform.py)
@@ -204,7 +224,8 @@ def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypa
             manager = LLMServerManager.create(config, worker_group=group)
             assert [type(r).__name__ for r in manager.rollout_replicas] == ["DSV4FlashReplica"] * 2
             client = manager.get_client()
-            results = asyncio.run(_generate_sync_generate(client, manager.server_handles, group, cfg, tensors))
+            results = asyncio.run(_generate_sync_generate(client, manager.server_handles, group, cfg, tensors,
+                                                          synced_base))
     finally:
         ray.shutdown()
         cloudpickle.unregister_pickle_by_value(_rollout_workers)
@@ -214,7 +235,7 @@ def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypa
         out = results[key]
         assert out["extra_fields"]["adapter_version"] == (0 if key == "base" else 1)
     assert results["adapter"]["extra_fields"]["global_steps"] == 3
-    assert results["adapter"]["token_ids"] != results["base"]["token_ids"]  # same seed: the adapter is sampled
+    assert results["adapter_cold"]["token_ids"] != results["base"]["token_ids"]  # same seed: the adapter is sampled
     lp, routes_ref, types_ref = _reference_logprobs(model, prompt, images, results["adapter"]["token_ids"])
     assert torch.allclose(torch.tensor(results["adapter"]["log_probs"]), lp, atol=1e-5, rtol=0)
     _assert_routes_expand_to_reference(cfg, prompt, images, results["adapter"], routes_ref, types_ref)
@@ -223,19 +244,21 @@ def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypa
     assert [out["token_ids"] for out in results["per_server"]] == [results["adapter"]["token_ids"]] * 2
 
 
-async def _generate_sync_generate(client, servers, group, cfg, tensors):
+async def _generate_sync_generate(client, servers, group, cfg, tensors, synced_base):
     """generate (base) -> veRL's unmerged LoRA sync from every worker -> generate (adapter), via veRL's client."""
     prompt, images = _prompt(cfg, True), [_image(0)]
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True, "seed": 11}
 
-    async def ask(request_id):
-        out = await client.generate(request_id, prompt_ids=prompt, sampling_params=dict(params), image_data=images)
+    async def ask(request_id, temperature=1.0):
+        out = await client.generate(request_id, prompt_ids=prompt, image_data=images,
+                                    sampling_params={**params, "temperature": temperature})
         return out.model_dump()
 
-    base = await ask("base")
+    base = await ask("base", temperature=0.1)  # low: the random tiny base is near uniform
     group.release()
-    replicas = group.update_weights(tensors=tensors, lora=LORA, global_steps=3)
+    replicas = group.update_weights(tensors=tensors, lora=LORA, global_steps=3, base=synced_base)
+    adapter_cold = await ask("adapter-cold", temperature=0.1)
     adapter = await ask("adapter")
     per_server = [(await s.generate.remote(prompt_ids=prompt, sampling_params=dict(params), request_id=f"direct-{i}",
                                            image_data=images)).model_dump() for i, s in enumerate(servers)]
-    return {"base": base, "adapter": adapter, "per_server": per_server, "replicas": sorted(replicas)}
+    return {"base": base, "adapter_cold": adapter_cold, "adapter": adapter, "per_server": per_server, "replicas": sorted(replicas)}

@@ -11,6 +11,7 @@ row per compact token but the last, an image placeholder carrying its span's fir
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 PEFT_PREFIX = "base_model.model."
+_PACKED_EXPERTS = re.compile(r"\.ffn\.experts\.w[123]\.lora_[AB]\.weight$")  # fused 3-D [E, ...] factors
 # sampling_params keys a veRL agent loop sends; anything else is refused by name (a silent ignore samples wrongly)
 _KNOWN_PARAMS = {"temperature", "top_p", "top_k", "repetition_penalty", "logprobs", "max_tokens", "max_new_tokens",
                  "ignore_eos", "seed"}
@@ -52,8 +54,13 @@ class RolloutEngine:
 
     # ---- weight sync ------------------------------------------------------------------------------
     def set_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:
-        """Bind received LoRA tensors (bridge / vLLM names, experts per expert) as the adapter; the base is untouched."""
+        """Bind received LoRA tensors as the adapter; the base is untouched.
+
+        Names are the bridge's (release names, `base_model.model.` optional): routed experts one 2-D LoRA per
+        expert, or packed 3-D per layer and projection when the sync says so (a PEFT `target_parameters` on the
+        experts, veRL's packed-MoE flag) or the names are the packed ones."""
         from dsv4flash.integrations.mbridge.peft_export import adapter_placement
+        from dsv4flash.integrations.verl.adapter_loader import is_3d_payload
         from dsv4flash.lora.layouts import detect_modes, from_layout
 
         for key in ("r", "lora_alpha"):
@@ -61,7 +68,8 @@ class RolloutEngine:
                 raise ValueError(f"adapter sync: peft_config has no {key!r} (got keys {sorted(peft_config)})")
         rank, alpha = int(peft_config["r"]), float(peft_config["lora_alpha"])
         plain = {name.removeprefix(PEFT_PREFIX): t.detach().to(torch.float32, copy=True) for name, t in tensors.items()}
-        canonical = from_layout(plain, "megatron", rank=rank, source="adapter sync")
+        packed = is_3d_payload(peft_config) or any(_PACKED_EXPERTS.search(name) for name in plain)
+        canonical = from_layout(plain, "packed" if packed else "megatron", rank=rank, source="adapter sync")
         wo_a_lora, _ = detect_modes(canonical)
         try:
             placement, _, _ = adapter_placement(canonical, self.cfg, rank=rank, alpha=alpha, wo_a_lora=wo_a_lora)
