@@ -226,6 +226,7 @@ def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypa
             client = manager.get_client()
             results = asyncio.run(_generate_sync_generate(client, manager.server_handles, group, cfg, tensors,
                                                           synced_base))
+            results["parked"] = asyncio.run(_replica_controls(manager.rollout_replicas[0], cfg))
     finally:
         ray.shutdown()
         cloudpickle.unregister_pickle_by_value(_rollout_workers)
@@ -242,6 +243,31 @@ def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypa
     # both replicas serve the adapter their own worker pushed (one replica per rollout rank)
     assert results["replicas"] == [0, 1]
     assert [out["token_ids"] for out in results["per_server"]] == [results["adapter"]["token_ids"]] * 2
+    # a request admitted while the replica is aborted for a sync waits for resume_generation, then is served
+    assert results["parked"]["waited"] and results["parked"]["token_ids"] == results["adapter"]["token_ids"]
+
+
+async def _replica_controls(replica, cfg):
+    """veRL's replica controls around a sync (CheckpointEngineManager's order) on the live servers."""
+    prompt, images = _prompt(cfg, True), [_image(0)]
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True, "seed": 11}
+    await replica.sleep()
+    await replica.wake_up()
+    await replica.abort_all_requests()
+    await replica.release_kv_cache()
+    await replica.resume_kv_cache()
+    await replica.clear_kv_cache()
+
+    async def ask():
+        return await replica.server_handle.generate.remote(prompt_ids=prompt, sampling_params=dict(params),
+                                                           request_id="parked", image_data=images)
+
+    parked = asyncio.create_task(ask())
+    await asyncio.sleep(2.0)
+    waited = not parked.done()
+    await replica.resume_generation()
+    out = (await parked).model_dump()
+    return {"waited": waited, "token_ids": out["token_ids"]}
 
 
 async def _generate_sync_generate(client, servers, group, cfg, tensors, synced_base):
