@@ -140,6 +140,24 @@ def test_engine_samples_the_synced_adapter_unmerged_and_records_compact_routes(b
     assert again.token_ids == out.token_ids and again.log_probs == out.log_probs and engine.version == 2
 
 
+def test_prompt_logprobs_take_vllms_layout(base_dir, reference):
+    """`prompt_logprobs` (veRL's teacher / scoring path): per prompt token 1 … S−1, then a dummy row."""
+    from dsv4flash.integrations.verl.rollout.engine import RolloutEngine
+
+    model, tensors = reference
+    engine = RolloutEngine(base_dir)
+    engine.set_adapter(tensors, {"r": LORA["rank"], "lora_alpha": LORA["alpha"]})
+    prompt = _prompt(engine.cfg, False)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), -1)  # [S, V]
+    exact = engine.generate(prompt, {"prompt_logprobs": 0}, max_tokens=1)
+    assert exact.prompt_ids == [[t] for t in prompt[1:]] + [[0]]
+    want = ref[:-1].gather(-1, torch.tensor(prompt[1:])[:, None])
+    assert torch.allclose(torch.tensor(exact.prompt_logprobs[:-1]), want, atol=1e-5) and exact.prompt_logprobs[-1] == [0.0]
+    top = engine.generate(prompt, {"prompt_logprobs": 2}, max_tokens=1)
+    assert top.prompt_ids[:-1] == ref[:-1].topk(2, -1).indices.tolist() and top.prompt_ids[-1] == [0, 0]
+
+
 def test_bad_input_is_refused_by_name(base_dir, reference):
     from verl.workers.config import RolloutConfig
 
@@ -152,6 +170,8 @@ def test_bad_input_is_refused_by_name(base_dir, reference):
         engine.generate([5, 6], {"min_p": 0.1}, max_tokens=2)
     with pytest.raises(ValueError, match="SamplingParams.top_p"):
         engine.generate([5, 6], {"top_p": 0.0}, max_tokens=2)
+    with pytest.raises(ValueError, match="prompt_logprobs must be an integer"):
+        engine.generate([5, 6], {"prompt_logprobs": -1}, max_tokens=2)
     with pytest.raises(ValueError, match="position 1 is 9999"):
         engine.generate([5, 9999], {}, max_tokens=2)
     broken = {k: v for k, v in tensors.items() if "layers.6.attn.wq_a" not in k}

@@ -23,7 +23,7 @@ PEFT_PREFIX = "base_model.model."
 _PACKED_EXPERTS = re.compile(r"\.ffn\.experts\.w[123]\.lora_[AB]\.weight$")  # fused 3-D [E, ...] factors
 # sampling_params keys a veRL agent loop sends; anything else is refused by name (a silent ignore samples wrongly)
 _KNOWN_PARAMS = {"temperature", "top_p", "top_k", "repetition_penalty", "logprobs", "max_tokens", "max_new_tokens",
-                 "ignore_eos", "seed"}
+                 "ignore_eos", "seed", "prompt_logprobs"}
 
 
 @dataclass
@@ -34,6 +34,9 @@ class Generation:
     log_probs: list[float]
     routed_experts: np.ndarray | None
     stop_reason: str
+    adapter_version: int = 0  # syncs applied when the request ran (0: the base as loaded)
+    prompt_ids: list[list[int]] | None = None  # vLLM's prompt log-probs layout (see `prompt_logprobs`)
+    prompt_logprobs: list[list[float]] | None = None
 
 
 class RolloutEngine:
@@ -127,6 +130,11 @@ class RolloutEngine:
                                 top_k=int(sampling_params.get("top_k", -1)),
                                 top_p=float(sampling_params.get("top_p", 1.0)), seed=sampling_params.get("seed"))
         params.check()
+        top_prompt = sampling_params.get("prompt_logprobs")
+        if top_prompt is not None and (isinstance(top_prompt, bool) or not isinstance(top_prompt, int)
+                                       or top_prompt < 0):
+            raise ValueError(f"dsv4flash rollout: sampling_params.prompt_logprobs must be an integer ≥ 0 or None, "
+                             f"got {top_prompt!r}")
         vocab = self.cfg.text.vocab_size
         bad = [i for i, t in enumerate(prompt_ids) if not 0 <= int(t) < vocab]
         if bad:
@@ -141,26 +149,51 @@ class RolloutEngine:
         seed = params.seed if params.seed is not None else self.next_seed()
         gen = torch.Generator().manual_seed(int(seed))
         eos = -1 if ignore_eos else self.cfg.eos_token_id
-        with self._model() as model:
+        with self._model() as (model, version):
             recorder = reference.record_routes(model) if record_routes else contextlib.nullcontext([])
             with recorder as records:
                 out = generate(model, [(ids, types, inputs)], max_new_tokens=params.max_tokens, eos_id=eos,
                                pad_id=self.cfg.pad_token_id, temperature=params.temperature, generator=gen,
                                logprobs_fn=lambda last: process_logits(last, params))
+            scored = None if top_prompt is None else prompt_logprobs(model, prompt_ids, ids, types, inputs, top_prompt)
         tokens = out.response(0)
         log_probs = out.logprobs[0][out.mask[0]].tolist()
         routes = _compact_routes(records, len(reference._gates(self.base.model)), types, len(tokens)) \
             if record_routes else None
-        return Generation(tokens, log_probs, routes, "completed")  # eos or max_tokens: vLLM's stop/length
+        prompt_ids_out, prompt_lp = scored if scored is not None else (None, None)
+        return Generation(tokens, log_probs, routes, "completed",  # eos or max_tokens: vLLM's stop/length
+                          adapter_version=version, prompt_ids=prompt_ids_out, prompt_logprobs=prompt_lp)
 
+    @contextlib.contextmanager
     def _model(self):
-        """The model to run under the base lock: the shell with the adapter bound, or the bare base."""
+        """(model, adapter version) under the base lock: the shell with the adapter bound, or the bare base."""
         from dsv4flash.service.sampling import _plain
 
-        if self.adapter is None:
-            return _plain(self.base)
-        placement, tensors = self.adapter
-        return self.base.bind(placement, tensors)
+        with self.base.lock:  # re-entrant: `bind` takes it again; a sync swaps the adapter under it too
+            adapter, version = self.adapter, self.version
+            with (_plain(self.base) if adapter is None else self.base.bind(*adapter)) as model:
+                yield model, version
+
+
+@torch.no_grad()
+def prompt_logprobs(model, compact_ids: list[int], ids: torch.Tensor, types: torch.Tensor, inputs: list,
+                    k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """vLLM's prompt log-probs as veRL reads them (`extract_prompt_logprobs`): for compact prompt tokens 1 … S−1,
+    k = 0: [[the token]] and [[its log-prob]]; k > 0: the top-k ids and log-probs of that position's
+    distribution; then one dummy [0.0] row for the last position. Raw log-softmax (no temperature)."""
+    from dsv4flash.replay import ImageSpanLayout
+
+    logp = torch.log_softmax(model(ids[None], types[None], inputs)[0].float(), dim=-1)  # [S_e, V]
+    rows = ImageSpanLayout.from_token_types(types).expanded_rows()  # compact -> expanded row
+    before = logp[rows[1:] - 1]  # [S−1, V]: the distribution each compact token 1 … S−1 was drawn from
+    if k == 0:
+        target = torch.tensor(compact_ids[1:], dtype=torch.int64)[:, None]
+        out_ids, out_lp = target.tolist(), before.gather(-1, target).tolist()
+    else:
+        top = before.topk(min(k, before.shape[-1]), dim=-1)
+        out_ids, out_lp = top.indices.tolist(), top.values.tolist()
+    width = max(k, 1)
+    return out_ids + [[0] * width], out_lp + [[0.0] * width]
 
 
 def _compact_routes(records: list[torch.Tensor], n_layers: int, prompt_types: torch.Tensor,

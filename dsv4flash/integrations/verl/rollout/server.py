@@ -82,9 +82,11 @@ class DSV4FlashRolloutServer:
             out = await asyncio.to_thread(self._generate, prompt_ids, params, max_tokens, image_data, ignore_eos)
         finally:
             self._in_flight -= 1
+        extra = {"global_steps": self.global_steps, "adapter_version": out.adapter_version}
+        if out.prompt_logprobs is not None:
+            extra.update(prompt_ids=out.prompt_ids, prompt_logprobs=out.prompt_logprobs)
         return TokenOutput(token_ids=out.token_ids, log_probs=out.log_probs if want_logprobs else None,
-                           routed_experts=out.routed_experts, stop_reason=out.stop_reason,
-                           extra_fields={"global_steps": self.global_steps, "adapter_version": self.engine.version})
+                           routed_experts=out.routed_experts, stop_reason=out.stop_reason, extra_fields=extra)
 
     def _generate(self, prompt_ids, params, max_tokens, images, ignore_eos):
         with self._compute:
@@ -109,19 +111,19 @@ class DSV4FlashRolloutServer:
         return max(1, min(int(wanted), room))
 
     # ---- weight sync ------------------------------------------------------------------------------
-    def load_weights(self, bucket: list, peft_config: dict | None = None, base_sync_done: bool = False,
-                     is_last: bool = False) -> int:
+    async def load_weights(self, bucket: list, peft_config: dict | None = None, base_sync_done: bool = False,
+                           is_last: bool = False) -> int:
         """One bucket of a sync: adapter tensors (peft_config and base_sync_done, applied at `is_last`) or base
         tensors (loaded at once), exactly the split vLLM's worker makes."""
         if peft_config and base_sync_done:
             self._pending.update(bucket)
             if is_last:
                 tensors, self._pending = self._pending, {}
-                self.engine.set_adapter(tensors, dict(peft_config))
+                await asyncio.to_thread(self.engine.set_adapter, tensors, dict(peft_config))
                 log.info("dsv4flash rollout replica %d: adapter version %d (%d tensors)", self.replica_rank,
                          self.engine.version, len(tensors))
             return len(bucket)
-        loaded = self.engine.load_base_weights(list(bucket))
+        loaded = await asyncio.to_thread(self.engine.load_base_weights, list(bucket))
         if is_last and not peft_config:
             self.engine.drop_adapter()  # a merged (full-weight) sync replaces any adapter
         return loaded
