@@ -156,6 +156,14 @@ def test_prompt_logprobs_take_vllms_layout(base_dir, reference):
     assert torch.allclose(torch.tensor(exact.prompt_logprobs[:-1]), want, atol=1e-5) and exact.prompt_logprobs[-1] == [0.0]
     top = engine.generate(prompt, {"prompt_logprobs": 2}, max_tokens=1)
     assert top.prompt_ids[:-1] == ref[:-1].topk(2, -1).indices.tolist() and top.prompt_ids[-1] == [0, 0]
+    # rollout.dtype=bfloat16 computes under BF16 autocast: the reference model under the same autocast
+    bf16 = RolloutEngine(base_dir, dtype="bfloat16")
+    bf16.set_adapter(tensors, {"r": LORA["rank"], "lora_alpha": LORA["alpha"]})
+    low = torch.tensor(bf16.generate(prompt, {"prompt_logprobs": 0}, max_tokens=1).prompt_logprobs[:-1])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_low = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), -1)[:-1]
+    assert not torch.equal(low, want)
+    assert torch.allclose(low, ref_low.gather(-1, torch.tensor(prompt[1:])[:, None]), atol=1e-5)
 
 
 def test_bad_input_is_refused_by_name(base_dir, reference):
@@ -183,6 +191,8 @@ def test_bad_input_is_refused_by_name(base_dir, reference):
     with pytest.raises(KeyError, match="base sync: tensor 'layers.0.nope.weight'"):
         engine.load_base_weights([("layers.0.nope.weight", torch.zeros(1))])
     assert engine.adapter is None
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.dtype='float16': .* computes in one of"):
+        RolloutEngine(base_dir, dtype="float16")
     with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.tensor_model_parallel_size=2: .* allowed: 1"):
         check_layout(RolloutConfig(name="dsv4flash", tensor_model_parallel_size=2))
 

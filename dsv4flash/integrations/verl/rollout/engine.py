@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 PEFT_PREFIX = "base_model.model."
+# rollout.dtype -> autocast dtype of generation (the resident base stays fp32; None = fp32 compute)
+DTYPES = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 _PACKED_EXPERTS = re.compile(r"\.ffn\.experts\.w[123]\.lora_[AB]\.weight$")  # fused 3-D [E, ...] factors
 # sampling_params keys a veRL agent loop sends; anything else is refused by name (a silent ignore samples wrongly)
 _KNOWN_PARAMS = {"temperature", "top_p", "top_k", "repetition_penalty", "logprobs", "max_tokens", "max_new_tokens",
@@ -42,10 +44,14 @@ class Generation:
 class RolloutEngine:
     """Reference-model generation for veRL requests, with the last synced adapter (unmerged) or the bare base."""
 
-    def __init__(self, base_dir: str | Path, *, seed: int = 0) -> None:
+    def __init__(self, base_dir: str | Path, *, seed: int = 0, dtype: str = "float32") -> None:
         from dsv4flash.engine import model_io
         from dsv4flash.service.resident import ResidentBase
 
+        if dtype not in DTYPES:
+            raise ValueError(f"actor_rollout_ref.rollout.dtype={dtype!r}: the dsv4flash rollout computes in one of "
+                             f"{sorted(DTYPES)}")
+        self.autocast = DTYPES[dtype]
         base_dir = Path(base_dir)
         model_io.read_manifest(base_dir)  # a clear error when the path is not a dsv4flash base directory
         self.base = ResidentBase(str(base_dir / "config.json"), base_dir=base_dir)
@@ -154,8 +160,12 @@ class RolloutEngine:
             with recorder as records:
                 out = generate(model, [(ids, types, inputs)], max_new_tokens=params.max_tokens, eos_id=eos,
                                pad_id=self.cfg.pad_token_id, temperature=params.temperature, generator=gen,
-                               logprobs_fn=lambda last: process_logits(last, params))
-            scored = None if top_prompt is None else prompt_logprobs(model, prompt_ids, ids, types, inputs, top_prompt)
+                               autocast_dtype=self.autocast, logprobs_fn=lambda last: process_logits(last, params))
+            if top_prompt is None:
+                scored = None
+            else:
+                with torch.autocast("cpu", dtype=self.autocast, enabled=self.autocast is not None):
+                    scored = prompt_logprobs(model, prompt_ids, ids, types, inputs, top_prompt)
         tokens = out.response(0)
         log_probs = out.logprobs[0][out.mask[0]].tolist()
         routes = _compact_routes(records, len(reference._gates(self.base.model)), types, len(tokens)) \

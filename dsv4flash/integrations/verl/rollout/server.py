@@ -45,7 +45,8 @@ class DSV4FlashRolloutServer:
         from dsv4flash.integrations.verl.rollout.engine import RolloutEngine
 
         path = _model_path(self.model_config)
-        self.engine = RolloutEngine(path, seed=int(self.config.seed or 0) + self.replica_rank)
+        self.engine = RolloutEngine(path, seed=int(self.config.seed or 0) + self.replica_rank,
+                                    dtype=str(self.config.dtype))
         return self.address
 
     @property
