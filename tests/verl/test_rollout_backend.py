@@ -166,6 +166,39 @@ def test_prompt_logprobs_take_vllms_layout(base_dir, reference):
     assert torch.allclose(low, ref_low.gather(-1, torch.tensor(prompt[1:])[:, None]), atol=1e-5)
 
 
+def test_base_sync_takes_the_release_layout_the_bridge_exports(base_dir, tmp_path):
+    """FP8 / MXFP4 payloads with their `.scale` (what `DSV41Bridge` re-quantizes to), split across buckets."""
+    from dsv4flash_bridge import codecs
+    from dsv4flash_bridge.convert_common import QUANTIZED
+    from dsv4flash_bridge.sharded import CheckpointReader
+    from dsv4flash_bridge.synthetic import write_release_checkpoint
+
+    from dsv4flash.integrations.verl.rollout.engine import RolloutEngine
+    from dsv4flash.quant_plan import quant_role, scale_name
+
+    release = write_release_checkpoint(tmp_path / "release", "tiny", shards=2, seed=7)
+    with CheckpointReader(release) as ckpt:
+        stored = [(n, ckpt.read(n)) for n in ckpt.names()]
+    stored.sort(key=lambda item: item[0].endswith(".scale"))  # every scale after every payload: pairs span buckets
+    engine = RolloutEngine(base_dir)
+    half = len(stored) // 2
+    written = engine.load_base_weights(stored[:half]) + engine.load_base_weights(stored[half:])
+    engine.finish_base_sync()
+    by_name = dict(stored)
+    params = dict(engine.base.model.named_parameters())
+    assert written == len(params)
+    for name, param in params.items():
+        role = quant_role(name)
+        want = (codecs.decode(role, by_name[name], by_name[scale_name(name)], name=name)
+                if role in QUANTIZED and by_name[name].element_size() == 1 else by_name[name].float())
+        assert torch.equal(param, want), name
+    assert any(quant_role(n).name == "EXPERT_MXFP4" for n in params)  # the MXFP4 experts were decoded too
+    payload = next(n for n, _ in stored if quant_role(n) in QUANTIZED)
+    engine.load_base_weights([(payload, by_name[payload])])
+    with pytest.raises(ValueError, match=f"quantized tensors arrived without their other half: .*{payload}"):
+        engine.finish_base_sync()
+
+
 def test_bad_input_is_refused_by_name(base_dir, reference):
     from verl.workers.config import RolloutConfig
 

@@ -58,6 +58,7 @@ class RolloutEngine:
         self.cfg = self.base.cfg
         self.adapter: tuple | None = None  # (LoraConfig placement, canonical tensors)
         self.version = 0  # adapter syncs applied
+        self._quantized: dict[str, dict[str, torch.Tensor]] = {}  # release payloads / scales awaiting the other
         self._seeds = torch.Generator().manual_seed(seed)
         self._seed_lock = threading.Lock()
 
@@ -90,20 +91,50 @@ class RolloutEngine:
             self.version += 1
 
     def load_base_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Copy full base tensors (release names; `.base_layer.` spellings accepted) into the resident base."""
+        """Copy full base tensors into the resident base; returns how many parameters were written.
+
+        Names are release names (`.base_layer.` spellings accepted). Tensors come either in full precision
+        (any float dtype) or as the release stores them — FP8 dense / MXFP4 expert / FP8 Engram payloads with
+        their `.scale` sibling, as the bridge's export re-quantizes — and are then decoded with the release
+        codecs; a payload waits for its scale across buckets (`finish_base_sync` checks none is left)."""
         from dsv4flash.integrations.verl.weight_names import strip_base_layer
+        from dsv4flash.quant_plan import quant_role
+        from dsv4flash_bridge import codecs
+        from dsv4flash_bridge.convert_common import QUANTIZED
 
         params = dict(self.base.model.named_parameters())
+        written = 0
         with self.base.lock, torch.no_grad():
             for name, t in tensors:
                 key = strip_base_layer(name.removeprefix(PEFT_PREFIX))
+                if key.endswith(".scale") and quant_role(key[: -len(".scale")] + ".weight") in QUANTIZED:
+                    key, part = key[: -len(".scale")] + ".weight", "scale"
+                elif quant_role(key) in QUANTIZED and (not t.is_floating_point() or t.dtype.itemsize == 1):
+                    part = "payload"
+                else:
+                    part = None
                 if key not in params:
                     raise KeyError(f"base sync: tensor {name!r} is not a parameter of the reference model")
+                if part is not None:
+                    halves = self._quantized.setdefault(key, {})
+                    halves[part] = t
+                    if len(halves) < 2:
+                        continue
+                    del self._quantized[key]
+                    t = codecs.decode(quant_role(key), halves["payload"], halves["scale"], name=key)
                 if tuple(t.shape) != tuple(params[key].shape):
                     raise ValueError(f"base sync: tensor {name!r} has shape {list(t.shape)}, the model expects "
                                      f"{list(params[key].shape)}")
                 params[key].copy_(t.to(params[key].dtype))
-        return len(tensors)
+                written += 1
+        return written
+
+    def finish_base_sync(self) -> None:
+        """Refuse a base sync that left a quantized payload without its scale (or a scale without its payload)."""
+        if self._quantized:
+            left = {k: sorted(v) for k, v in list(self._quantized.items())[:3]}
+            self._quantized.clear()
+            raise ValueError(f"base sync: quantized tensors arrived without their other half: {left}")
 
     def drop_adapter(self) -> None:
         """Sample from the bare base again (a merged, full-weight sync)."""

@@ -125,8 +125,10 @@ class DSV4FlashRolloutServer:
                          self.engine.version, len(tensors))
             return len(bucket)
         loaded = await asyncio.to_thread(self.engine.load_base_weights, list(bucket))
-        if is_last and not peft_config:
-            self.engine.drop_adapter()  # a merged (full-weight) sync replaces any adapter
+        if is_last:
+            self.engine.finish_base_sync()
+            if not peft_config:
+                self.engine.drop_adapter()  # a merged (full-weight) sync replaces any adapter
         return loaded
 
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
