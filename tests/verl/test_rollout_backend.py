@@ -256,7 +256,7 @@ def _verl_config(base_dir: Path):
 
 
 @pytest.mark.slow
-def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypatch, base_dir, reference):
+def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypatch, tmp_path, base_dir, reference):
     ray = pytest.importorskip("ray")
     from ray import cloudpickle
     from verl.single_controller.ray.base import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
@@ -288,7 +288,7 @@ def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypa
             assert [type(r).__name__ for r in manager.rollout_replicas] == ["DSV4FlashReplica"] * 2
             client = manager.get_client()
             results = asyncio.run(_generate_sync_generate(client, manager.server_handles, group, cfg, tensors,
-                                                          synced_base))
+                                                          synced_base, config, tmp_path))
             results["parked"] = asyncio.run(_replica_controls(manager.rollout_replicas[0], cfg))
     finally:
         ray.shutdown()
@@ -306,8 +306,36 @@ def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypa
     # both replicas serve the adapter their own worker pushed (one replica per rollout rank)
     assert results["replicas"] == [0, 1]
     assert [out["token_ids"] for out in results["per_server"]] == [results["adapter"]["token_ids"]] * 2
+    # veRL's SingleTurnAgentLoop (chat template -> prompt ids -> the client -> merged response) on a text prompt
+    loop = results["agent_loop"]
+    lp, routes_ref, _ = _reference_logprobs(model, loop["prompt_ids"], [], loop["response_ids"])
+    assert torch.allclose(torch.tensor(loop["response_logprobs"]), lp, atol=1e-5, rtol=0)
+    routes = torch.from_numpy(np.array(loop["routed_experts"])).long()
+    assert torch.equal(routes, routes_ref[: routes.shape[0]])
+    assert routes.shape[0] == len(loop["prompt_ids"]) + len(loop["response_ids"]) - 1
     # a request admitted while the replica is aborted for a sync waits for resume_generation, then is served
     assert results["parked"]["waited"] and results["parked"]["token_ids"] == results["adapter"]["token_ids"]
+
+
+async def _single_turn_agent_loop(client, config, cfg, tmp_path):
+    """veRL's own SingleTurnAgentLoop on the client, with the task tokenizer in Hugging Face form."""
+    from transformers import AutoTokenizer
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from dsv4flash.tasks.hf_tokenizer import save_hf_tokenizer
+    from dsv4flash.tasks.tokenizer import TaskTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(save_hf_tokenizer(TaskTokenizer(cfg), tmp_path / "hf_tokenizer"))
+    agent = SingleTurnAgentLoop(trainer_config=DictConfigWrap(config), server_manager=client, tokenizer=tokenizer,
+                                processor=None, dataset_cls=RLHFDataset, data_config=DictConfigWrap(config.data))
+    rollout = config.actor_rollout_ref.rollout
+    params = dict(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k, repetition_penalty=1.0,
+                  logprobs=True)  # what AgentLoopWorker.generate_sequences sends
+    out = await agent.run(sampling_params=params, raw_prompt=[{"role": "user", "content": "2 + 3 ="}])
+    return {"prompt_ids": list(out.prompt_ids), "response_ids": list(out.response_ids),
+            "response_logprobs": list(out.response_logprobs), "routed_experts": out.routed_experts}
 
 
 async def _replica_controls(replica, cfg):
@@ -333,7 +361,7 @@ async def _replica_controls(replica, cfg):
     return {"waited": waited, "token_ids": out["token_ids"]}
 
 
-async def _generate_sync_generate(client, servers, group, cfg, tensors, synced_base):
+async def _generate_sync_generate(client, servers, group, cfg, tensors, synced_base, config, tmp_path):
     """generate (base) -> veRL's unmerged LoRA sync from every worker -> generate (adapter), via veRL's client."""
     prompt, images = _prompt(cfg, True), [_image(0)]
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True, "seed": 11}
@@ -350,4 +378,5 @@ async def _generate_sync_generate(client, servers, group, cfg, tensors, synced_b
     adapter = await ask("adapter")
     per_server = [(await s.generate.remote(prompt_ids=prompt, sampling_params=dict(params), request_id=f"direct-{i}",
                                            image_data=images)).model_dump() for i, s in enumerate(servers)]
-    return {"base": base, "adapter_cold": adapter_cold, "adapter": adapter, "per_server": per_server, "replicas": sorted(replicas)}
+    return {"base": base, "adapter_cold": adapter_cold, "adapter": adapter,
+            "agent_loop": await _single_turn_agent_loop(client, config, cfg, tmp_path), "per_server": per_server, "replicas": sorted(replicas)}
