@@ -230,6 +230,30 @@ def test_bad_input_is_refused_by_name(base_dir, reference):
         check_layout(RolloutConfig(name="dsv4flash", tensor_model_parallel_size=2))
 
 
+def test_server_budget_and_full_determinism(base_dir):
+    """The server in-process: vLLM's token budget and, with `full_determinism`, one seed per replica."""
+    from verl.workers.config import RolloutConfig
+
+    from dsv4flash.integrations.verl.rollout.server import DSV4FlashRolloutServer
+
+    def server(**kw):
+        s = DSV4FlashRolloutServer(RolloutConfig(name="dsv4flash", prompt_length=8, response_length=5, **kw),
+                                   {"path": str(base_dir)}, rollout_mode=None, replica_rank=1)
+        s.launch()
+        return s
+
+    def ask(s, prompt=(5, 6, 7), **params):
+        return asyncio.run(s.generate(list(prompt), params, request_id="r")).token_ids
+
+    plain = server(seed=3)
+    assert len(ask(plain, ignore_eos=True)) == 5 and len(ask(plain, ignore_eos=True, max_tokens=2)) == 2
+    assert len(ask(plain, prompt=[5] * 11, ignore_eos=True)) == 2  # prompt 8 + response 5: 2 tokens of room
+    with pytest.raises(ValueError, match="prompt length 13 leaves no room within max_model_len 13"):
+        ask(plain, prompt=[5] * 13)
+    fixed = server(seed=3, full_determinism=True)
+    assert ask(fixed) == ask(fixed) == ask(plain, seed=4)  # replica 1 + seed 3
+
+
 def test_the_plugin_registers_the_backend_in_both_verl_registries():
     import verl  # noqa: F401  (loads the plugin)
     from verl.workers.rollout.base import get_rollout_class

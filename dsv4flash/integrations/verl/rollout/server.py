@@ -76,6 +76,8 @@ class DSV4FlashRolloutServer:
         prompt_ids = [int(t) for t in prompt_ids]
         params = dict(sampling_params)
         max_tokens = self._max_tokens(len(prompt_ids), params)
+        if self.config.full_determinism:  # as vLLM's server: one seed per replica for every request
+            params.setdefault("seed", self.replica_rank + int(self.config.seed or 0))
         want_logprobs = bool(params.pop("logprobs", False))
         ignore_eos = bool(params.pop("ignore_eos", self.config.ignore_eos))
         self._in_flight += 1
