@@ -18,7 +18,7 @@ import torch
 
 pytestmark = [pytest.mark.upstream]
 ROOT = Path(__file__).resolve().parents[2]
-LORA = {"rank": 4, "alpha": 8}
+LORA = {"rank": 16, "alpha": 32}  # alpha = 2·rank; 1.2 MiB of factors: two 1 MiB sync buckets
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +327,8 @@ def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypa
     lp, routes_ref, types_ref = _reference_logprobs(model, prompt, images, results["adapter"]["token_ids"])
     assert torch.allclose(torch.tensor(results["adapter"]["log_probs"]), lp, atol=1e-5, rtol=0)
     _assert_routes_expand_to_reference(cfg, prompt, images, results["adapter"], routes_ref, types_ref)
+    # the adapter (1.2 MiB) crossed two 1 MiB buckets and was applied once, after the last
+    assert results["syncs"] == [{"kind": "adapter", "buckets": 2, "tensors": len(tensors)}] * 2
     # both replicas serve the adapter their own worker pushed (one replica per rollout rank)
     assert results["replicas"] == [0, 1]
     assert [out["token_ids"] for out in results["per_server"]] == [results["adapter"]["token_ids"]] * 2
@@ -398,9 +400,10 @@ async def _generate_sync_generate(client, servers, group, cfg, tensors, synced_b
     base = await ask("base", temperature=0.1)  # low: the random tiny base is near uniform
     group.release()
     replicas = group.update_weights(tensors=tensors, lora=LORA, global_steps=3, base=synced_base)
+    syncs = [await s.get_last_sync.remote() for s in servers]
     adapter_cold = await ask("adapter-cold", temperature=0.1)
     adapter = await ask("adapter")
     per_server = [(await s.generate.remote(prompt_ids=prompt, sampling_params=dict(params), request_id=f"direct-{i}",
                                            image_data=images)).model_dump() for i, s in enumerate(servers)]
     return {"base": base, "adapter_cold": adapter_cold, "adapter": adapter,
-            "agent_loop": await _single_turn_agent_loop(client, config, cfg, tmp_path), "per_server": per_server, "replicas": sorted(replicas)}
+            "agent_loop": await _single_turn_agent_loop(client, config, cfg, tmp_path), "syncs": syncs, "per_server": per_server, "replicas": sorted(replicas)}
