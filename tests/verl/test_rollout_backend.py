@@ -166,6 +166,19 @@ def test_prompt_logprobs_take_vllms_layout(base_dir, reference):
     assert torch.allclose(low, ref_low.gather(-1, torch.tensor(prompt[1:])[:, None]), atol=1e-5)
 
 
+def test_top_k_and_top_p_shape_the_sampling_distribution(base_dir):
+    """top-k / top-p go through `engine.sampling.generate`'s `logprobs_fn` (the service's `process_logits`)."""
+    from dsv4flash.integrations.verl.rollout.engine import RolloutEngine
+
+    engine = RolloutEngine(base_dir)
+    prompt = [5, 17, 42, 99]
+    greedy = engine.generate(prompt, {"temperature": 0.0}, max_tokens=4, ignore_eos=True)
+    top1 = engine.generate(prompt, {"temperature": 1.0, "top_k": 1, "seed": 2}, max_tokens=4, ignore_eos=True)
+    assert top1.token_ids == greedy.token_ids and top1.log_probs == [0.0] * 4  # one token left: probability 1
+    nucleus = engine.generate(prompt, {"temperature": 1.0, "top_p": 1e-6, "seed": 2}, max_tokens=4, ignore_eos=True)
+    assert nucleus.token_ids == greedy.token_ids and nucleus.log_probs == [0.0] * 4
+
+
 def test_base_sync_takes_the_release_layout_the_bridge_exports(base_dir, tmp_path):
     """FP8 / MXFP4 payloads with their `.scale` (what `DSV41Bridge` re-quantizes to), split across buckets."""
     from dsv4flash_bridge import codecs
