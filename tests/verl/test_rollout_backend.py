@@ -340,6 +340,8 @@ def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypa
     lp, routes_ref, types_ref = _reference_logprobs(model, prompt, images, results["adapter"]["token_ids"])
     assert torch.allclose(torch.tensor(results["adapter"]["log_probs"]), lp, atol=1e-5, rtol=0)
     _assert_routes_expand_to_reference(cfg, prompt, images, results["adapter"], routes_ref, types_ref)
+    # concurrent requests (seeded) get exactly what each gets alone: no cross-talk of caches or route records
+    assert results["concurrent"] == results["sequential"]
     # the adapter (1.2 MiB) crossed two 1 MiB buckets and was applied once, after the last
     assert results["syncs"] == [{"kind": "adapter", "buckets": 2, "tensors": len(tensors)}] * 2
     # both replicas serve the adapter their own worker pushed (one replica per rollout rank)
@@ -405,9 +407,9 @@ async def _generate_sync_generate(client, servers, group, cfg, tensors, synced_b
     prompt, images = _prompt(cfg, True), [_image(0)]
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True, "seed": 11}
 
-    async def ask(request_id, temperature=1.0):
+    async def ask(request_id, temperature=1.0, seed=11):
         out = await client.generate(request_id, prompt_ids=prompt, image_data=images,
-                                    sampling_params={**params, "temperature": temperature})
+                                    sampling_params={**params, "temperature": temperature, "seed": seed})
         return out.model_dump()
 
     base = await ask("base", temperature=0.1)  # low: the random tiny base is near uniform
@@ -416,7 +418,12 @@ async def _generate_sync_generate(client, servers, group, cfg, tensors, synced_b
     syncs = [await s.get_last_sync.remote() for s in servers]
     adapter_cold = await ask("adapter-cold", temperature=0.1)
     adapter = await ask("adapter")
+    together = await asyncio.gather(*[ask(f"together-{i}", seed=i) for i in range(4)])  # the agent loop's way
+    alone = [await ask(f"alone-{i}", seed=i) for i in range(4)]
     per_server = [(await s.generate.remote(prompt_ids=prompt, sampling_params=dict(params), request_id=f"direct-{i}",
                                            image_data=images)).model_dump() for i, s in enumerate(servers)]
     return {"base": base, "adapter_cold": adapter_cold, "adapter": adapter,
-            "agent_loop": await _single_turn_agent_loop(client, config, cfg, tmp_path), "syncs": syncs, "per_server": per_server, "replicas": sorted(replicas)}
+            "agent_loop": await _single_turn_agent_loop(client, config, cfg, tmp_path), "syncs": syncs,
+            "concurrent": [(a["token_ids"], a["log_probs"], np.array(a["routed_experts"]).tolist()) for a in together],
+            "sequential": [(a["token_ids"], a["log_probs"], np.array(a["routed_experts"]).tolist()) for a in alone],
+            "per_server": per_server, "replicas": sorted(replicas)}
