@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _shared(args, rep: BenchReport) -> dict:
     from dsv4flash.lora import LoraConfig
-    from dsv4flash.service.resident import ResidentBase
-    from dsv4flash.service.shared_encoder import multi_adapter_logits
+    from dsv4flash.service.compute.resident import ResidentBase
+    from dsv4flash.service.compute.shared_encoder import multi_adapter_logits
 
     resident = ResidentBase("tiny")
     pc = LoraConfig(preset="decoder_half", rank=8)
@@ -102,8 +102,8 @@ def _sampling(args, rep: BenchReport) -> dict:
     """N = 8 decoder-only adapters continuing one prompt: prompt prefill shared (one encoder pass, one set of
     encoder / compressed-KV cache tensors) vs each adapter prefilling alone; both then decode with the cache."""
     from dsv4flash.lora import LoraConfig
-    from dsv4flash.service.resident import ResidentBase
-    from dsv4flash.service.shared_encoder import multi_adapter_logits
+    from dsv4flash.service.compute.resident import ResidentBase
+    from dsv4flash.service.compute.shared_encoder import multi_adapter_logits
 
     resident = ResidentBase("tiny")
     pc = LoraConfig(preset="decoder_half", rank=8)
@@ -184,7 +184,7 @@ def _half_flops(resident, adapter, ids) -> tuple[float, float]:
 def _grpo_worker(mode: str, steps: int, latency: float, threads: int, q) -> None:
     torch.set_num_threads(threads)
     from dsv4flash.service import ServiceClient
-    from dsv4flash.service.scheduler import GRPOPolicySpec, PhaseScheduler, run_concurrent, run_sequential
+    from dsv4flash.service.compute.scheduler import GRPOPolicySpec, PhaseScheduler, run_concurrent, run_sequential
 
     def reward(tokens):
         time.sleep(latency)

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from dsv4flash.lora import LoraConfig as PlacementConfig
-from dsv4flash.service.checkpoints import CheckpointRegistry
-from dsv4flash.service.resident import ResidentBase
-from dsv4flash.service.sampling import SamplingClient
-from dsv4flash.service.training import TrainingClient
+from dsv4flash.service.compute.resident import ResidentBase
+from dsv4flash.service.compute.sampling import SamplingClient
+from dsv4flash.service.compute.training import TrainingClient
+from dsv4flash.service.plane.checkpoints import CheckpointRegistry
 from dsv4flash.service.types import ParsedCheckpointTinkerPath
 
 _run_counter = itertools.count()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsv4flash.lora import LoraConfig
-from dsv4flash.service.shared_encoder import multi_adapter_logits, sharing_refusal
+from dsv4flash.service.compute.shared_encoder import multi_adapter_logits, sharing_refusal
 
 
 def _adapter(resident, pc, seed):

@@ -26,8 +26,8 @@ from dsv4flash.lora.layers import is_lora_module
 from dsv4flash.model.cache import CacheStep, DecodeCache
 from dsv4flash.model.decode import empty_cache
 from dsv4flash.model.state import CSA2State
-from dsv4flash.service.batched_decoder import batched_decoder_logits, instance_override
-from dsv4flash.service.resident import placement_key
+from dsv4flash.service.compute.batched_decoder import batched_decoder_logits, instance_override
+from dsv4flash.service.compute.resident import placement_key
 
 
 def sharing_refusal(resident, placement) -> str | None:
