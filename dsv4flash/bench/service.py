@@ -206,13 +206,14 @@ def _grpo_worker(mode: str, steps: int, latency: float, threads: int, q) -> None
                             steps=steps, group_size=4, max_tokens=4) for i in range(3)]
     service = ServiceClient("tiny")
     scheduler = PhaseScheduler()
+    started = time.perf_counter()
     if mode == "concurrent":
         results, makespan = run_concurrent(service, specs, scheduler)
     else:
-        results, makespan = run_sequential(service, specs)
+        results, makespan = run_sequential(service, specs, scheduler)  # uncontended: accounting only
     phases = {k: sum(r.phase_s[k] for r in results) for k in results[0].phase_s}
     q.put((makespan, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, service.base.base_bytes(), phases,
-           dict(scheduler.idle_s)))
+           dict(scheduler.idle_s), sum(scheduler.busy_s.values()), scheduler.first_grant - started))
 
 
 def _grpo(args, rep: BenchReport) -> dict:
@@ -242,6 +243,20 @@ def _grpo(args, rep: BenchReport) -> dict:
         rep.add(f"grpo_concurrent_idle_before_{phase}", statistics.median(r[4][phase] for r in runs["concurrent"]),
                 "s", note=("base idle waiting for scoring no other policy's compute covered" if phase == "update"
                            else "base idle while a policy moved between phases") + f" (median of {args.grpo_runs})")
+    busy = {m: statistics.median(r[5] for r in runs[m]) for m in runs}
+    rep.add("grpo_sequential_base_busy", busy["sequential"], "s", note=f"median of {args.grpo_runs}: seconds the "
+            "base computed (rollout + update phases, every policy)")
+    rep.add("grpo_concurrent_base_busy", busy["concurrent"], "s", baseline="grpo_sequential_base_busy",
+            note="the same work run concurrently: above 1x is contention (GIL, caches, other jobs), not idling")
+    setup = {m: statistics.median(r[6] for r in runs[m]) for m in runs}
+    rep.add("grpo_sequential_setup", setup["sequential"], "s", note="before the base's first grant: the first "
+            "training client builds the placement shell (median); part of both makespans")
+    rep.add("grpo_concurrent_setup", setup["concurrent"], "s", baseline="grpo_sequential_setup")
+    after = sorted((a[0] - a[6]) / (b[0] - b[6]) for a, b in zip(runs["sequential"], runs["concurrent"]))
+    rep.add("grpo_ratio_after_setup", statistics.median(after), "x", note="paired makespans counted from the first "
+            f"grant (information only; the target counts the whole run): min {after[0]:.2f} / max {after[-1]:.2f}")
+    rep.add("grpo_concurrent_bound_from_busy", seq[0] / busy["concurrent"], "x", note="sequential makespan / "
+            "concurrent base busy time: the ratio a scheduler with zero idle would reach at this compute speed")
     rep.add("grpo_sequential_peak_rss", seq[1] / 2**20, "MiB", note=f"base {seq[2] / 2**20:.1f} MiB held once")
     rep.add("grpo_concurrent_peak_rss", con[1] / 2**20, "MiB", baseline="grpo_sequential_peak_rss")
     ratio = statistics.median(ratios)
