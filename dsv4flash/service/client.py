@@ -37,8 +37,13 @@ class ServiceClient:
         self.store = AdapterStore(self.root)
         self.store_lock = threading.Lock()
         self.checkpoints = CheckpointRegistry(self.root)
-        self._fingerprint = None
         self._tokenizer = None
+        # At start, not on the first create_lora_training_client: the census behind it builds the model on meta
+        # (seconds in a fresh process, torch's meta-init path included), which would otherwise stall the first
+        # tenant, and concurrent first clients would each compute it.
+        from dsv4flash.lifecycle import base_fingerprint
+
+        self._fingerprint = base_fingerprint(self.base.cfg)
 
     def get_server_capabilities(self) -> dict:
         """The one base model this embedded service holds."""
@@ -165,11 +170,7 @@ class ServiceClient:
         return out
 
     def fingerprint(self):
-        """The resident base's lifecycle fingerprint (computed once)."""
-        if self._fingerprint is None:
-            from dsv4flash.lifecycle import base_fingerprint
-
-            self._fingerprint = base_fingerprint(self.base.cfg)
+        """The resident base's lifecycle fingerprint (computed once, when the service starts)."""
         return self._fingerprint
 
     # ---- internals ----
