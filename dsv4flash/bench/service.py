@@ -152,6 +152,11 @@ def _sampling(args, rep: BenchReport) -> dict:
             times[name].append(time.perf_counter() - t0)
     rec, sep, pre, sha = (statistics.median(times[k]) for k in fns)
     work = 8 * args.decode_tokens
+    e, d = _decode_step_halves(resident, adapters[0], prompt, tokens, args.repeats)
+    rep.add("sampling_encoder_step_ms", e * 1e3, "ms", note="one decode step's embed + encoder half (median)")
+    rep.add("sampling_decoder_step_ms", d * 1e3, "ms", note="one adapter's decoder half + head for that step")
+    rep.add("sampling_amdahl_bound_N8", (e + d) / (e / 8 + d), "x", note="(E + D) / (E/8 + D): the decode steps' "
+            "bound when only the encoder half is shared (prefill sharing comes on top)")
     rep.add("sampling_recompute_N8", work / rec, "tok/s", note=f"8 adapters x {args.decode_tokens} tokens after a "
             f"{args.seq}-token prompt, full forward per token (no cache)")
     rep.add("sampling_separate_N8", work / sep, "tok/s", baseline="sampling_recompute_N8",
@@ -164,6 +169,28 @@ def _sampling(args, rep: BenchReport) -> dict:
                f"cached decoding ({sep / pre:.2f}x with the prefill shared only), {rec / sha:.2f}x the uncached "
                f"per-adapter decoding (target {TARGET_SHARED}x vs separate)", sep / sha >= TARGET_SHARED)
     return {"shared": sep / sha, "shared_prefill": sep / pre, "vs_recompute": rec / sha}
+
+
+def _decode_step_halves(resident, adapter, prompt, tokens, repeats: int) -> tuple[float, float]:
+    """Median seconds of one decode step's encoder half and of one adapter's decoder half (teacher forced)."""
+    from collections import Counter
+
+    from dsv4flash.service.compute.shared_encoder import decoder_half, encoder_half
+
+    enc_t, dec_t = [], []
+    with torch.no_grad(), resident.bind(*adapter) as model:
+        for _ in range(repeats):
+            cache = model.prefill(prompt)[1]
+            for t in tokens:
+                t0 = time.perf_counter()
+                enc, step = encoder_half(resident.model, t[:, None], cache)
+                t1 = time.perf_counter()
+                decoder_half(model, enc, step, {}, Counter())
+                t2 = time.perf_counter()
+                cache = step.finish(t[:, None], torch.full_like(t[:, None], -1))
+                enc_t.append(t1 - t0)
+                dec_t.append(t2 - t1)
+    return statistics.median(enc_t), statistics.median(dec_t)
 
 
 def _peak_matmul_flops(size: int = 1024, repeats: int = 5) -> float:

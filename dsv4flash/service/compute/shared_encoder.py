@@ -115,7 +115,7 @@ def _shared_prefix(model, memo: dict, stats: Counter):
         yield
 
 
-def _encoder_half(base, input_ids: torch.Tensor, past: DecodeCache | None):
+def encoder_half(base, input_ids: torch.Tensor, past: DecodeCache | None):
     """Embed + layers < decoder_start on the base, once -> ((streams, pre_mix, state, context), the CacheStep
     holding the encoder layers' records over `past`, or None without a cache)."""
     history = None if past is None else (past.ngram_ids, past.ngram_types)
@@ -127,7 +127,7 @@ def _encoder_half(base, input_ids: torch.Tensor, past: DecodeCache | None):
     return base.run_layers(streams, pre_mix, CSA2State(), ctx, 0, base.cfg.decoder_start) + (ctx,), step
 
 
-def _decoder_half(model, enc: tuple, step: CacheStep | None, memo: dict, stats: Counter) -> torch.Tensor:
+def decoder_half(model, enc: tuple, step: CacheStep | None, memo: dict, stats: Counter) -> torch.Tensor:
     """Layers ≥ decoder_start + head of one bound adapter over the shared encoder output -> logits [B,S,V]."""
     streams, pre_mix, state, ctx = enc
     with _shared_prefix(model, memo, stats):
@@ -175,7 +175,7 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
         enc_step = None
         if result.shared:
             past = empty_cache(resident.model, input_ids.shape[0], input_ids.device) if caches else None
-            enc, enc_step = _encoder_half(resident.model, input_ids, past)
+            enc, enc_step = encoder_half(resident.model, input_ids, past)
         groups: dict[str, list[int]] = {}
         if not exact:
             for i in result.shared:
@@ -196,7 +196,7 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
             with resident.bind(pc, tensors) as model:
                 if i in result.shared:
                     step = enc_step.fork() if enc_step is not None else None  # the encoder's records, shared
-                    result.logits[i] = _decoder_half(model, enc, step, memo, stats)  # [B,S,V]
+                    result.logits[i] = decoder_half(model, enc, step, memo, stats)  # [B,S,V]
                     if step is not None:
                         result.caches[i] = step.finish(input_ids, torch.full_like(input_ids, -1))
                 elif caches:
@@ -270,14 +270,14 @@ def multi_adapter_decode(resident, caches: list[DecodeCache], next_ids: torch.Te
         stats: Counter = Counter()
         for (_, leader), members in groups.items():
             chunk = ids[leader]
-            enc, enc_step = _encoder_half(resident.model, chunk, caches[leader])
+            enc, enc_step = encoder_half(resident.model, chunk, caches[leader])
             out.encoder_passes += 1
             types = torch.full_like(chunk, -1)
             for i in members:
                 pc, tensors = adapters[i]
                 step = CacheStep(caches[i], dict(enc_step.window), dict(enc_step.sources))  # own decoder past
                 with resident.bind(pc, tensors) as model:
-                    out.logits[i] = _decoder_half(model, enc, step, memo, stats)
+                    out.logits[i] = decoder_half(model, enc, step, memo, stats)
                 out.caches[i] = step.finish(chunk, types)
             if len(members) > 1 and start in resident.cfg.text.kv_source_layer_ids:
                 for i, cache in zip(members, _share_source_segments([out.caches[i] for i in members], start)):
