@@ -11,6 +11,8 @@ separately.
 With `caches=True` each adapter also gets its prompt's `DecodeCache` for incremental decode: the encoder
 half's window KV and every kv-source segment (the encoder's and the CED source's) are one set of tensors
 referenced by every shared adapter's cache; each adapter owns only its decoder layers' window KV.
+`multi_adapter_decode` extends such caches a step at a time, running the encoder half once per distinct
+continuation (the same ids from the same shared encoder records), so the sharing lasts past the prompt.
 """
 
 from __future__ import annotations
