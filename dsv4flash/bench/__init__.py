@@ -18,7 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "decode": "cached incremental decode vs full recompute tokens/s at 64/256/1024 tokens, prefill tok/s, shared-prefill cache memory",
     "handoff": "trainer -> sampler handoff: adapter revision vs merged full checkpoint, bytes and time (tiny measured, V4.1 computed)",
     "service_http": "dsv4flash serve via the tinker SDK vs in-process: fwd+bwd+optim and sample p50/p99, 3 concurrent GRPO clients vs sequential",
-    "service": "policy service: shared-encoder multi-adapter throughput (N=1..8) and concurrent vs sequential GRPO makespan/peak RSS",
+    "service": "policy service: shared-encoder multi-adapter scoring (N=1..8) and decode steps, concurrent vs sequential GRPO makespan/busy/idle/peak RSS",
 }
 
 __all__ = ["BENCHMARKS", "BenchReport", "Figure"]

@@ -1,8 +1,11 @@
 """Policy service benchmarks on the tiny model.
 
 shared: N = 1, 2, 4, 8 decoder-only adapters scoring the same prompt batch, shared encoder vs separate passes
-(target ≥ 1.8× throughput at N = 8). grpo: 3 GRPO policies with a reward function that sleeps, sequential vs
-concurrent on one resident base: makespan ratio (MinT: 1.77×) and peak RSS of each mode (each in a fresh process).
+(target ≥ 1.8× throughput at N = 8). sampling: 8 adapters decoding one continuation after one prompt, separate
+vs shared prefill vs shared prefill + shared encoder decode steps (`multi_adapter_decode`), all bit-equal, with
+the decode step's Amdahl bound. grpo: 3 GRPO policies with a reward function that sleeps, sequential vs
+concurrent on one resident base: makespan ratio (MinT: 1.77×), the base's busy and idle time per mode, setup
+before the first grant, and peak RSS of each mode (each in a fresh process).
 """
 
 from __future__ import annotations
