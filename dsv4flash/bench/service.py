@@ -171,7 +171,8 @@ def _sampling(args, rep: BenchReport) -> dict:
     rep.target(f"shared prefill + shared encoder decode steps at N=8 (same continuation): {sep / sha:.2f}x separate "
                f"cached decoding ({sep / pre:.2f}x with the prefill shared only), {rec / sha:.2f}x the uncached "
                f"per-adapter decoding (target {TARGET_SHARED}x vs separate)", sep / sha >= TARGET_SHARED)
-    return {"shared": sep / sha, "shared_prefill": sep / pre, "vs_recompute": rec / sha}
+    return {"shared": sep / sha, "shared_prefill": sep / pre, "vs_recompute": rec / sha,
+            "amdahl": (e + d) / (e / 8 + d)}
 
 
 def _decode_step_halves(resident, adapter, prompt, tokens, repeats: int) -> tuple[float, float]:
@@ -312,32 +313,35 @@ def _plot(shared, sampling, grpo, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
-    if sampling:
-        names = ["prefill shared", "prefill + decode\nsteps shared"]
-        bars = axes[2].bar(names, [sampling["shared_prefill"], sampling["shared"]], color=["#9ecae1", "#1f77b4"])
-        axes[2].bar_label(bars, fmt="%.2fx")
-        axes[2].axhline(TARGET_SHARED, ls="--", color="r", label=f"target {TARGET_SHARED}x")
-        axes[2].set_ylabel("vs separate cached decoding")
-        axes[2].set_title("8 adapters, one continuation (bit-equal)", fontsize=9)
-        axes[2].legend()
-    if shared:
-        ns = sorted(shared)
-        axes[0].plot(ns, [shared[n]["shared"] for n in ns], "o-", label="shared, batched decoders")
-        axes[0].plot(ns, [shared[n]["per_adapter"] for n in ns], "s-", label="shared, decoder per adapter")
-        axes[0].plot(ns, [shared[n]["flop_bound"] for n in ns], "k:", label="FLOP bound of sharing")
-        axes[0].axhline(TARGET_SHARED, ls="--", color="r", label=f"target {TARGET_SHARED}x")
-        axes[0].set_xlabel("adapters N")
-        axes[0].set_ylabel("throughput ratio")
-        axes[0].legend()
-    if grpo:
-        axes[1].bar(["seq makespan", "conc makespan"], grpo["makespan"], color=["#888", "#2a7"])
-        ax2 = axes[1].twinx()
-        ax2.plot(["seq makespan", "conc makespan"], grpo["rss"], "ks--", label="peak RSS (MiB)")
-        ax2.set_ylim(0, 1.2 * max(grpo["rss"]))  # from zero: "flat memory" is the point
-        axes[1].set_ylabel("s")
-        ax2.set_ylabel("MiB")
-        ax2.legend(loc="lower right")
+    panels = [p for p in (("shared", shared), ("sampling", sampling), ("grpo", grpo)) if p[1]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.7 * len(panels), 3.5), squeeze=False)
+    for ax, (kind, data) in zip(axes[0], panels):
+        if kind == "shared":
+            ns = sorted(data)
+            ax.plot(ns, [data[n]["shared"] for n in ns], "o-", label="shared, batched decoders")
+            ax.plot(ns, [data[n]["per_adapter"] for n in ns], "s-", label="shared, decoder per adapter")
+            ax.plot(ns, [data[n]["flop_bound"] for n in ns], "k:", label="FLOP bound of sharing")
+            ax.axhline(TARGET_SHARED, ls="--", color="r", label=f"target {TARGET_SHARED}x")
+            ax.set_xlabel("adapters N")
+            ax.set_ylabel("throughput ratio")
+            ax.legend()
+        elif kind == "sampling":
+            names = ["prefill shared", "prefill + decode\nsteps shared"]
+            bars = ax.bar(names, [data["shared_prefill"], data["shared"]], color=["#9ecae1", "#1f77b4"])
+            ax.bar_label(bars, fmt="%.2fx")
+            ax.axhline(TARGET_SHARED, ls="--", color="r", label=f"target {TARGET_SHARED}x")
+            ax.axhline(data["amdahl"], ls=":", color="k", label=f"decode-step bound {data['amdahl']:.2f}x")
+            ax.set_ylabel("vs separate cached decoding")
+            ax.set_title("8 adapters, one continuation (bit-equal)", fontsize=9)
+            ax.legend()
+        else:
+            ax.bar(["seq makespan", "conc makespan"], data["makespan"], color=["#888", "#2a7"])
+            ax2 = ax.twinx()
+            ax2.plot(["seq makespan", "conc makespan"], data["rss"], "ks--", label="peak RSS (MiB)")
+            ax2.set_ylim(0, 1.2 * max(data["rss"]))  # from zero: "flat memory" is the point
+            ax.set_ylabel("s")
+            ax2.set_ylabel("MiB")
+            ax2.legend(loc="lower right")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
