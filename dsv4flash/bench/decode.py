@@ -150,8 +150,8 @@ def v41_prompt_cache_bytes(prompt: int, elem: int = 2) -> tuple[int, int]:
 def _memory_part(args, rep: BenchReport) -> None:
     from dsv4flash.lora import LoraConfig
     from dsv4flash.model.cache import storage_bytes
-    from dsv4flash.service.resident import ResidentBase
-    from dsv4flash.service.shared_encoder import multi_adapter_logits
+    from dsv4flash.service.compute.resident import ResidentBase
+    from dsv4flash.service.compute.shared_encoder import multi_adapter_logits
 
     resident = ResidentBase("tiny")
     pc = LoraConfig(preset="decoder_half", rank=4)

@@ -118,7 +118,7 @@ class FaultContext:
 
     def resident(self):
         """The resident tiny base every service case shares."""
-        from dsv4flash.service.resident import ResidentBase
+        from dsv4flash.service.compute.resident import ResidentBase
 
         return self.cached("resident", lambda: ResidentBase("tiny", seed=0))
 

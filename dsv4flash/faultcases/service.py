@@ -301,7 +301,7 @@ def empty_prompt(ctx):
       match=r"sample: prompt position 0: token id 777")
 def shared_sampling_out_of_vocab(ctx):
     from dsv4flash.service import types
-    from dsv4flash.service.shared_sampling import sample_shared
+    from dsv4flash.service.compute.shared_sampling import sample_shared
 
     tc = _trainer(ctx)
     sc = tc.save_weights_and_get_sampling_client()

@@ -5,10 +5,10 @@ ServiceClient → TrainingClient / SamplingClient; every call returns an `APIFut
 
 from dsv4flash.service.client import ServiceClient
 from dsv4flash.service.futures import APIFuture
-from dsv4flash.service.resident import ResidentBase
-from dsv4flash.service.sampling import SamplingClient
-from dsv4flash.service.shared_sampling import SharedSampling, sample_shared
-from dsv4flash.service.training import TrainingClient
+from dsv4flash.service.compute.resident import ResidentBase
+from dsv4flash.service.compute.sampling import SamplingClient
+from dsv4flash.service.compute.shared_sampling import SharedSampling, sample_shared
+from dsv4flash.service.compute.training import TrainingClient
 from dsv4flash.service.types import (AdamParams, Datum, EncodedTextChunk, ForwardBackwardOutput, GetInfoResponse,
                                      LoadWeightsResponse, LoraConfig, ModelInput, OptimStepResponse,
                                      ParsedCheckpointTinkerPath, SampledSequence, SampleResponse, SamplingParams,

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from dsv4flash.lora import LoraConfig as PlacementConfig
-from dsv4flash.service.checkpoints import CheckpointRegistry
-from dsv4flash.service.resident import ResidentBase
-from dsv4flash.service.sampling import SamplingClient
-from dsv4flash.service.training import TrainingClient
+from dsv4flash.service.compute.resident import ResidentBase
+from dsv4flash.service.compute.sampling import SamplingClient
+from dsv4flash.service.compute.training import TrainingClient
+from dsv4flash.service.plane.checkpoints import CheckpointRegistry
 from dsv4flash.service.types import ParsedCheckpointTinkerPath
 
 _run_counter = itertools.count()
@@ -37,8 +37,13 @@ class ServiceClient:
         self.store = AdapterStore(self.root)
         self.store_lock = threading.Lock()
         self.checkpoints = CheckpointRegistry(self.root)
-        self._fingerprint = None
         self._tokenizer = None
+        # At start, not on the first create_lora_training_client: the census behind it builds the model on meta
+        # (seconds in a fresh process, torch's meta-init path included), which would otherwise stall the first
+        # tenant, and concurrent first clients would each compute it.
+        from dsv4flash.lifecycle import base_fingerprint
+
+        self._fingerprint = base_fingerprint(self.base.cfg)
 
     def get_server_capabilities(self) -> dict:
         """The one base model this embedded service holds."""
@@ -165,11 +170,7 @@ class ServiceClient:
         return out
 
     def fingerprint(self):
-        """The resident base's lifecycle fingerprint (computed once)."""
-        if self._fingerprint is None:
-            from dsv4flash.lifecycle import base_fingerprint
-
-            self._fingerprint = base_fingerprint(self.base.cfg)
+        """The resident base's lifecycle fingerprint (computed once, when the service starts)."""
         return self._fingerprint
 
     # ---- internals ----

@@ -32,6 +32,7 @@ def test_engram_bench_quick(one_thread):
     engram.add_arguments(parser)
     report = engram.run(parser.parse_args(["--table-gib", "0.01", "--tokens", "512", "--repeats", "1"]))
     figures = report.as_dict()
-    for key in ("memcpy_GBps", "limit_GBps", "gather_GBps", "naive_GBps", "gather_GBps/limit_GBps"):
+    for key in ("memcpy_GBps", "limit_GBps", "limit_distinct_GBps", "gather_GBps", "gather_dedup_GBps", "lookup_GBps",
+                "naive_GBps", "gather_GBps/limit_GBps"):
         assert figures[key] > 0, key
     assert "tasks ids" in report.title and len(report.targets) == 1

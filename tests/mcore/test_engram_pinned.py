@@ -111,11 +111,15 @@ def test_gather_moves_each_distinct_row_once(tiny_cfg):
     _, pinned = reference_and_pinned(tiny_cfg, seed=4)
     ids = torch.tensor([[3, 7, 3], [629, 7, 0]])
     want = F.embedding(ids, pinned.table.weight)
-    assert torch.equal(pinned.lookup_rows(ids), want)  # distinct ids to the host, expanded on the device
+    assert torch.equal(pinned.table.gather(ids, dedup=True), want)  # distinct ids to the host, expanded after
     stats = pinned.table.stats
     assert (stats.requested, stats.unique, stats.bytes_moved) == (6, 4, 4 * 64 * 4)
     assert torch.equal(pinned.table.gather(ids, dedup=False), want)  # every id on its own
     assert (pinned.table.stats.requested, pinned.table.stats.unique) == (6, 6)
+    # Default on the host, float rows: nothing crosses a bus or is decoded, so one plain gather of every id.
+    assert torch.equal(pinned.lookup_rows(ids), want) and pinned.table.stats.unique == 6
+    pinned.table.dedup = True  # the table-wide setting
+    assert torch.equal(pinned.lookup_rows(ids), want) and pinned.table.stats.unique == 4
     with pytest.raises(ValueError, match=r"Engram layer 4 table: row ids must lie in \[0, 630\), got range \[0, 630\]"):
         pinned.lookup_rows(torch.tensor([0, 630]))
     with pytest.raises(ValueError, match="int32/int64"):
@@ -137,11 +141,23 @@ def test_fp8_table_dequantizes_on_the_device_side(tiny_cfg):
         ref.embed.weight.copy_(manual)  # the reference on the dequantized table
     x, rows, mask = engram_batch(tiny_cfg, seed=6)
     assert torch.equal(fp8(x, rows, mask), ref(x, rows, mask))
-    for dedup in (False, True):
+    for dedup in (False, True, None):
         got_values, got_scale = fp8.table.gather_stored(rows, dedup=dedup)
         assert torch.equal(got_values.view(torch.uint8), values[rows].view(torch.uint8))
         assert torch.equal(got_scale, scale[rows])
         assert torch.equal(fp8.table.gather(rows, torch.float32, dedup=dedup), manual[rows])
+        # Into preallocated results (reused: the old contents must not leak through)
+        out_values = torch.full((*rows.shape, values.shape[1]), 7.0).to(torch.float8_e4m3fn)
+        out_scale = torch.full((*rows.shape, scale.shape[1]), 9, dtype=torch.uint8)
+        got_values, got_scale = fp8.table.gather_stored(rows, dedup=dedup, out=(out_values, out_scale))
+        assert got_values.data_ptr() == out_values.data_ptr() and got_scale.data_ptr() == out_scale.data_ptr()
+        assert torch.equal(out_values.view(torch.uint8), values[rows].view(torch.uint8))
+        assert torch.equal(out_scale, scale[rows])
+        out_rows = torch.full((*rows.shape, values.shape[1]), 5.0)
+        got = fp8.table.gather(rows, torch.float32, dedup=dedup, out=out_rows)
+        assert got.data_ptr() == out_rows.data_ptr() and torch.equal(out_rows, manual[rows])
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.uint8 \[.*\] tensor on cpu, got torch.int64"):
+        fp8.table.gather_stored(rows, out=(out_values, torch.zeros(*rows.shape, scale.shape[1], dtype=torch.long)))
 
 
 def test_megatron_constructor_and_spec_slot(tiny_cfg):

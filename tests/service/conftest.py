@@ -2,7 +2,7 @@
 
 import pytest
 
-from dsv4flash.service.resident import ResidentBase
+from dsv4flash.service.compute.resident import ResidentBase
 
 
 @pytest.fixture(scope="module")

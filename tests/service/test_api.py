@@ -197,7 +197,7 @@ def test_async_twins_double_await(service):
 
 
 def test_early_stopped_backward_matches_full_gradient(service):
-    from dsv4flash.service.training import target_logprobs
+    from dsv4flash.service.compute.training import target_logprobs
 
     tc = service.create_lora_training_client(rank=2, preset="decoder_half", seed=2)
     data = [_datum([0, 5, 6, 7, 8])]
@@ -214,7 +214,7 @@ def test_early_stopped_backward_matches_full_gradient(service):
 
 
 def test_sampling_params_and_stop_reasons(service):
-    from dsv4flash.service.sampling import process_logits
+    from dsv4flash.service.compute.sampling import process_logits
 
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
     top1 = process_logits(logits, types.SamplingParams(top_k=1))

@@ -46,7 +46,7 @@ def _datum(mod):
 def local(mint_run, resident, tmp_path_factory):
     """The same calls on the in-process core."""
     import dsv4flash.service as core
-    from dsv4flash.service.distill import ReverseKLDatum, forward_backward_reverse_kl
+    from dsv4flash.service.compute.distill import ReverseKLDatum, forward_backward_reverse_kl
 
     service = core.ServiceClient(root=tmp_path_factory.mktemp("local"), resident=resident)
     tc = service.create_lora_training_client(rank=4)

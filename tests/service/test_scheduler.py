@@ -5,7 +5,7 @@ import time
 import torch
 
 from dsv4flash.service import ServiceClient
-from dsv4flash.service.scheduler import GRPOPolicySpec, run_concurrent, run_sequential
+from dsv4flash.service.compute.scheduler import GRPOPolicySpec, run_concurrent, run_sequential
 
 
 def _reward(tokens):
@@ -35,7 +35,7 @@ def test_phase_scheduler_runs_one_phase_at_a_time_rollouts_first():
     """While the base is busy, waiting rollouts are granted before waiting updates; phases never overlap."""
     import threading
 
-    from dsv4flash.service.scheduler import PhaseScheduler
+    from dsv4flash.service.compute.scheduler import PhaseScheduler
 
     sched = PhaseScheduler()
     active, overlaps = [], []
@@ -68,7 +68,7 @@ def test_phase_scheduler_runs_one_phase_at_a_time_rollouts_first():
 
 
 def test_phase_scheduler_accounts_idle_time_by_the_phase_it_waited_for():
-    from dsv4flash.service.scheduler import PhaseScheduler
+    from dsv4flash.service.compute.scheduler import PhaseScheduler
 
     sched = PhaseScheduler()
     with sched.turn("a", "rollout"):

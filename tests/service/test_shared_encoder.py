@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsv4flash.lora import LoraConfig
-from dsv4flash.service.shared_encoder import multi_adapter_logits, sharing_refusal
+from dsv4flash.service.compute.shared_encoder import multi_adapter_logits, sharing_refusal
 
 
 def _adapter(resident, pc, seed):
@@ -150,3 +150,34 @@ def test_shared_prefill_caches_share_encoder_kv_and_decode_bit_equal(resident):
                 assert torch.equal(la, lb)
     with pytest.raises(ValueError, match="caches=True needs exact=True"):
         multi_adapter_logits(resident, ids, adapters, caches=True, exact=False)
+
+
+def test_multi_adapter_decode_shares_the_encoder_step_bit_equal(resident):
+    """Decode steps of N adapters from one shared prefill: the encoder half runs once per distinct
+    continuation, every adapter's logits and cache equal its own `model.decode` bit for bit."""
+    from dsv4flash.service.compute.shared_encoder import multi_adapter_decode
+
+    dec = LoraConfig(preset="decoder_half", rank=2)
+    full = LoraConfig(preset="full_linear", rank=2)
+    adapters = [(dec, _adapter(resident, dec, s)) for s in (1, 2, 3)] + [(full, _adapter(resident, full, 4))]
+    prompt = torch.randint(3, 400, (2, 13), generator=torch.Generator().manual_seed(2))
+    shared = multi_adapter_logits(resident, prompt, adapters, caches=True).caches
+    own = list(shared)  # each adapter decoding alone from the same prompt caches
+    start = resident.cfg.decoder_start
+    # 9 steps (past ratio-2 group and window boundaries); adapter 2 diverges at step 4, then a 2-token chunk
+    steps = [torch.tensor([7 + s, 30 + s]) for s in range(9)] + [torch.tensor([[5, 6], [8, 9]])]
+    for s, tokens in enumerate(steps):
+        ids = [tokens, tokens, tokens + (s >= 4), tokens]
+        step = multi_adapter_decode(resident, shared, ids, adapters)
+        assert step.encoder_passes == (1 if s < 4 else 2) and list(step.refused) == [3]
+        for i, (pc, tensors) in enumerate(adapters):
+            with resident.bind(pc, tensors) as model, torch.no_grad():
+                want, own[i] = model.decode(own[i], ids[i])
+            assert torch.equal(step.logits[i], want), (s, i)
+        shared = step.caches
+        for layer in range(start):  # adapters 0 and 1 keep one set of encoder records; 2 has its own after step 4
+            assert shared[0].window[layer] is shared[1].window[layer]
+            assert (shared[0].window[layer] is shared[2].window[layer]) == (s < 4)
+    assert not torch.equal(step.logits[0], step.logits[1])  # the adapters really differ
+    with pytest.raises(ValueError, match="3 caches for 4 adapters"):
+        multi_adapter_decode(resident, shared[:3], steps[0], adapters)

@@ -5,8 +5,10 @@ mapping of a file (one copy per node for every rank on it). Rows are float, or E
 scales (the release format, 264 B per 256-wide row). `gather` deduplicates the ids on their device, copies only
 the distinct ids to the host, gathers those rows in ascending order chunk by chunk into a reused pinned staging
 buffer while the previous chunk's asynchronous copy to the device is in flight, and expands them on the device
-with the inverse index. It is not an nn.Module on purpose: the owning module keeps it out of `parameters()`,
-`buffers()` and every `_apply`.
+with the inverse index. When the rows land on the host in the stored format (a CPU-only run) there is no copy
+to save and a repeated row is a cache hit, so it is one plain gather of every id instead (FP8 rows that are
+dequantized still dedup: each distinct row is decoded once). It is not an nn.Module on purpose: the owning
+module keeps it out of `parameters()`, `buffers()` and every `_apply`.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ class HostTable:
         else:  # `from_file` pins the shared pages in place; a pinned copy would defeat the sharing
             self.weight, self.scale = weight, scale
         self.trainable = trainable
-        self.dedup = True  # gather each distinct row once, in sorted order (see `gather`)
+        # None: dedup where it saves work (rows cross to a device, or FP8 rows are dequantized); see `_dedups`
+        self.dedup: Optional[bool] = None
         self.stats = GatherStats()
         self._row_grads: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._grad_lock = threading.Lock()
@@ -187,42 +190,77 @@ class HostTable:
 
     # ---- lookup ----------------------------------------------------------------------------------
     def gather(self, row_ids: torch.Tensor, dtype: Optional[torch.dtype] = None, *,
-               dedup: Optional[bool] = None) -> torch.Tensor:
+               dedup: Optional[bool] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """row_ids [...] int (any device) -> rows [..., dim] on that device (FP8: dequantized to `dtype`).
 
-        With `dedup` (default `self.dedup`, True) each distinct row is gathered and moved once, in ascending
-        row order, and expanded on the device. Sorted access is also what makes the host gather fast: random
-        256-byte rows out of a ~100 GB table are TLB- and DRAM-latency-bound, ascending ones stream.
+        With dedup each distinct row is gathered and moved once, in ascending row order, and expanded on the
+        device (`dedup` None: `self.dedup`, whose default None dedups when the rows cross to a device or are
+        dequantized from FP8, see `_dedups`). `out` [..., dim]: a preallocated result (reused across
+        micro-batches it saves the first-touch page faults of a fresh large buffer; no autograd).
         """
-        ids, inverse, values, scales = self._fetch(row_ids, dedup)
+        dtype = dtype or (torch.bfloat16 if self.fp8 else None)
+        ids, inverse, values, scales = self._fetch(row_ids, dedup, dequantize=self.fp8)
         if self.fp8:
-            rows = dequantize_rows_e8m0(values, scales, dtype or torch.bfloat16)  # distinct rows only
+            rows = dequantize_rows_e8m0(values, scales, dtype)  # distinct rows only (with dedup)
         else:
             rows = values if dtype is None else values.to(dtype)
         if self.trainable and torch.is_grad_enabled():
+            if out is not None:
+                raise ValueError(f"{self.name}: gather(out=...) cannot record row gradients; pass out=None")
             rows = rows.detach().requires_grad_(True)
             rows.register_hook(self._grad_hook(ids))
+        flat_out = None if out is None else _check_out(out, row_ids, self.dim, rows.dtype, self.name)
         if inverse is not None:
-            rows = index_rows(rows, inverse)
+            rows = index_rows(rows, inverse, out=flat_out)
+        elif flat_out is not None:
+            rows = flat_out.copy_(rows)
         return rows.reshape(*row_ids.shape, self.dim)
 
-    def gather_stored(self, row_ids: torch.Tensor, *, dedup: Optional[bool] = None
+    def gather_stored(self, row_ids: torch.Tensor, *, dedup: Optional[bool] = None,
+                      out: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Like `gather` but in the stored format: (values [..., dim], E8M0 scales [..., dim/32] or None)."""
-        _, inverse, values, scales = self._fetch(row_ids, dedup)
+        """Like `gather` but in the stored format: (values [..., dim], E8M0 scales [..., dim/32] or None).
+
+        `out`: preallocated (values, scales) of those shapes; on the host without dedup the rows are gathered
+        straight into them (one plain gather per tensor, nothing intermediate).
+        """
+        outs = (None, None) if out is None else (
+            _check_out(out[0], row_ids, self.dim, self.weight.dtype, self.name),
+            None if self.scale is None else _check_out(out[1], row_ids, self.scale.shape[1], torch.uint8, self.name))
+        _, inverse, values, scales = self._fetch(row_ids, dedup, out=outs if row_ids.device.type == "cpu" else None)
         if inverse is not None:
-            values = index_rows(values, inverse)
-            scales = index_rows(scales, inverse) if scales is not None else None
+            values = index_rows(values, inverse, out=outs[0])
+            scales = index_rows(scales, inverse, out=outs[1]) if scales is not None else None
+        elif row_ids.device.type != "cpu" and out is not None:
+            values = outs[0].copy_(values)
+            scales = outs[1].copy_(scales) if scales is not None else None
         shape = tuple(row_ids.shape)
         return values.reshape(*shape, self.dim), (scales.reshape(*shape, -1) if scales is not None else None)
 
-    def _fetch(self, row_ids: torch.Tensor, dedup: Optional[bool]):
-        """-> (host ids [n], inverse [N] on the device or None, values [n, dim], scales [n, dim/32] | None)."""
+    def _dedups(self, device: torch.device, dedup: Optional[bool], dequantize: bool) -> bool:
+        """Whether a gather to `device` deduplicates its ids first.
+
+        Dedup costs a sort of every id and a per-token expand; it pays when rows cross to a device (each
+        distinct row is copied once) or are dequantized (each distinct row decoded once). When rows land on the
+        host in the stored format neither applies: a repeated row is a cache hit, and one plain gather of
+        every id is the fastest way to the per-token result (measured: `python -m dsv4flash.bench engram`).
+        """
+        if dedup is None:
+            dedup = self.dedup
+        if dedup is None:
+            return device.type != "cpu" or dequantize
+        return dedup
+
+    def _fetch(self, row_ids: torch.Tensor, dedup: Optional[bool], dequantize: bool = False, out=None):
+        """-> (host ids [n], inverse [N] on the device or None, values [n, dim], scales [n, dim/32] | None).
+
+        `out`: flat (values [N, dim], scales) the host rows go into when nothing is deduplicated."""
         if row_ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{self.name}: row ids must be int32/int64, got {row_ids.dtype}")
         device = row_ids.device
         flat = row_ids.reshape(-1)
-        if dedup if dedup is not None else self.dedup:
+        if self._dedups(device, dedup, dequantize):
+            out = None
             unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)  # on the device
             ids = unique.to("cpu", torch.int64)  # the only device -> host traffic: distinct ids
         else:
@@ -231,16 +269,17 @@ class HostTable:
             lo, hi = (int(v) for v in ids.aminmax())
             if lo < 0 or hi >= self.rows:
                 raise ValueError(f"{self.name}: row ids must lie in [0, {self.rows}), got range [{lo}, {hi}]")
-        values, scales = self._gather_host(ids, device)
+        values, scales = self._gather_host(ids, device, out)
         self.stats = GatherStats(flat.numel(), ids.numel(), ids.numel() * self.row_bytes)
         return ids, inverse, values, scales
 
-    def _gather_host(self, ids: torch.Tensor, device: torch.device):
+    def _gather_host(self, ids: torch.Tensor, device: torch.device, host_out=None):
         """Host rows `ids` -> device tensors. Crossing to CUDA, chunks are gathered into a reused pinned staging
         buffer while the previous chunk's asynchronous copy is in flight, so gather and copy overlap."""
         tables = [t for t in (self.weight, self.scale) if t is not None]
         if device.type == "cpu":
-            out = [index_rows(t, ids) for t in tables]
+            outs = host_out or (None, None)
+            out = [index_rows(t, ids, out=o) for t, o in zip(tables, outs)]
             return out[0], (out[1] if self.fp8 else None)
         if self._staging_ready is not None:
             self._staging_ready.synchronize()  # the previous micro-batch's copies may still read the buffers
@@ -278,6 +317,16 @@ class HostTable:
         if not pending:
             return torch.empty(0, dtype=torch.int64), torch.empty(0, self.dim)
         return coalesce_rows(torch.cat([p[0] for p in pending]), torch.cat([p[1] for p in pending]))
+
+
+def _check_out(out: torch.Tensor, row_ids: torch.Tensor, width: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """A caller's preallocated result [..., width] for `row_ids`, as a flat contiguous [N, width] view."""
+    want = (*row_ids.shape, width)
+    if tuple(out.shape) != want or out.dtype != dtype or out.device != row_ids.device or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be a contiguous {dtype} {list(want)} tensor on {row_ids.device}, got "
+                         f"{'' if out.is_contiguous() else 'non-contiguous '}{out.dtype} {list(out.shape)} on "
+                         f"{out.device}")
+    return out.view(-1, width)
 
 
 def _register_pinned(*tensors: Optional[torch.Tensor]) -> None:

@@ -1,9 +1,9 @@
 """MinT's two extension endpoints (mindlab-toolkit 0.2.0, `mint/_mintx.py`), polled like every future:
 
 - `POST /api/v1/mint/forward_backward_reverse_kl`: reverse-KL distillation of a run onto a reference checkpoint
-  (`dsv4flash.service.distill`);
+  (`dsv4flash.service.compute.distill`);
 - `POST /api/v1/mint/checkpoints/interpolate`: Σ c_i · checkpoint_i as a new sampler checkpoint
-  (`dsv4flash.service.interpolate`).
+  (`dsv4flash.service.compute.interpolate`).
 
 The wire schemas are MinT's; `mint` itself pins tinker 0.22 and cannot be imported next to the server's 0.38,
 so the request models below restate its field names and types (the tests drive the real `mint` client).
@@ -67,7 +67,7 @@ def _flat(t: _Tensor) -> list:
 
 
 async def reverse_kl(request: Request) -> Response:
-    from dsv4flash.service.distill import ReverseKLDatum, forward_backward_reverse_kl
+    from dsv4flash.service.compute.distill import ReverseKLDatum, forward_backward_reverse_kl
 
     tenant = tenant_of(request)
     req = await parse(request, ReverseKLRequest)
@@ -92,7 +92,7 @@ async def reverse_kl(request: Request) -> Response:
 
 
 async def interpolate(request: Request) -> Response:
-    from dsv4flash.service.interpolate import interpolate_checkpoints
+    from dsv4flash.service.compute.interpolate import interpolate_checkpoints
 
     tenant = tenant_of(request)
     req = await parse(request, InterpolateRequest)

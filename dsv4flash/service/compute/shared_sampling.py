@@ -45,8 +45,8 @@ class SharedSampling:
 def sample_shared(clients: list, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
                   include_prompt_logprobs: bool = False) -> SharedSampling:
     """`client.sample(prompt, num_samples, sampling_params)` for every client, sharing the encoder prefill."""
-    from dsv4flash.service.sampling import check_sample_request
-    from dsv4flash.service.shared_encoder import sharing_refusal
+    from dsv4flash.service.compute.sampling import check_sample_request
+    from dsv4flash.service.compute.shared_encoder import sharing_refusal
 
     if not clients:
         raise ValueError("sample_shared: no sampling clients given")
@@ -77,7 +77,7 @@ def sample_shared(clients: list, prompt: ModelInput, num_samples: int, sampling_
 
 def _prefill(base, rows: torch.Tensor, adapters: list[tuple]) -> list[tuple]:
     """(last-position logits [1, V], prompt DecodeCache) per shared adapter (encoder once: bit-equal)."""
-    from dsv4flash.service.shared_encoder import multi_adapter_logits
+    from dsv4flash.service.compute.shared_encoder import multi_adapter_logits
 
     result = multi_adapter_logits(base, rows, adapters, caches=True)
     return [(logits[:, -1], cache) for logits, cache in zip(result.logits, result.caches)]

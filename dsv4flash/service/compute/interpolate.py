@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4flash.service.resident import placement_key
+from dsv4flash.service.compute.resident import placement_key
 from dsv4flash.service.types import ParsedCheckpointTinkerPath
 
 

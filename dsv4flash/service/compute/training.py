@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dsv4flash.service import losses
+from dsv4flash.service.compute import losses
 from dsv4flash.service.futures import APIFuture, OrderedExecutor
 from dsv4flash.service.types import (AdamParams, Datum, ForwardBackwardOutput, GetInfoResponse, LoadWeightsResponse,
                                      ModelData, OptimStepResponse, ParsedCheckpointTinkerPath, SaveWeightsForSamplerResponse,

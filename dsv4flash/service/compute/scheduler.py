@@ -1,9 +1,9 @@
 """Concurrent multi-policy GRPO on one resident base.
 
 Each policy runs its rollout → score → update → export loop through the Tinker API on its own thread. Compute
-phases (sampling, forward/backward, optimizer, export) hold the resident base; scoring (a reward function with
-real latency: a sleep, a subprocess, an environment) does not, so while one policy waits for rewards the base
-runs another policy's compute. `PhaseScheduler` hands the base out one whole compute phase at a time, rollouts
+phases (sampling, forward/backward, optimizer) hold the resident base; scoring (a reward function with real
+latency: a sleep, a subprocess, an environment), the sampler snapshot and the adapter export (a store write)
+do not, so while one policy waits for rewards or writes its adapter the base runs another policy's compute. `PhaseScheduler` hands the base out one whole compute phase at a time, rollouts
 first: interleaving two policies' phases call by call (what the base lock alone would do) makes both reach
 their idle scoring late and then idle together, while run-to-completion with rollouts first starts each idle gap
 as early as possible so another policy's compute fills it. Base weights are held once (every policy binds its
@@ -69,6 +69,7 @@ class PhaseScheduler:
         # policy's scoring that no other compute covered; before a rollout, for a policy between its phases.
         self.idle_s = dict.fromkeys(self.PRIORITY, 0.0)
         self.busy_s = dict.fromkeys(self.PRIORITY, 0.0)
+        self.first_grant: float | None = None  # perf_counter() of the first grant (setup before it: client creation)
 
     @contextlib.contextmanager
     def turn(self, policy: str, phase: str):
@@ -82,6 +83,8 @@ class PhaseScheduler:
             self._busy = True
             self.grants.append((policy, phase))
             granted = time.perf_counter()
+            if self.first_grant is None:
+                self.first_grant = granted
             if self._released_at is not None:
                 self.idle_s[phase] += granted - self._released_at
         try:
@@ -102,8 +105,8 @@ def run_policy(service, spec: GRPOPolicySpec, scheduler: PhaseScheduler | None =
     phases = dict.fromkeys(("rollout", "score", "update", "export"), 0.0)
     for step in range(spec.steps):
         t0 = time.perf_counter()
+        sampler = tc.save_weights_and_get_sampling_client()  # an adapter snapshot, no base compute: outside the turn
         with turn(spec.name, "rollout"):
-            sampler = tc.save_weights_and_get_sampling_client()
             futures = [sampler.sample(ModelInput.from_ints(p), spec.group_size,
                                       SamplingParams(max_tokens=spec.max_tokens,
                                                      seed=spec.seed * 100003 + step * 101 + i))
@@ -124,8 +127,10 @@ def run_policy(service, spec: GRPOPolicySpec, scheduler: PhaseScheduler | None =
             fb = tc.forward_backward(data, "importance_sampling")
             opt = tc.optim_step(AdamParams(learning_rate=spec.lr))
             fb.result(), opt.result()
-            t3 = time.perf_counter()
-            out.exports.append(tc.save_weights_for_sampler(f"step-{step + 1}").result().path)
+        t3 = time.perf_counter()
+        # The export writes the adapter into the store (serialise, hash, disk) and computes nothing on the base:
+        # outside the turn, so another policy's compute overlaps it.
+        out.exports.append(tc.save_weights_for_sampler(f"step-{step + 1}").result().path)
         t4 = time.perf_counter()
         out.rewards.append(sum(map(sum, rewards)) / sum(map(len, rewards)))
         for k, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
@@ -135,10 +140,12 @@ def run_policy(service, spec: GRPOPolicySpec, scheduler: PhaseScheduler | None =
     return out
 
 
-def run_sequential(service, specs: list[GRPOPolicySpec]) -> tuple[list[PolicyResult], float]:
-    """Each policy alone, one after another -> (results, makespan seconds)."""
+def run_sequential(service, specs: list[GRPOPolicySpec], scheduler: PhaseScheduler | None = None
+                   ) -> tuple[list[PolicyResult], float]:
+    """Each policy alone, one after another -> (results, makespan seconds). A `scheduler` (uncontended here)
+    only accounts the base's busy and idle time per phase, for comparison with a concurrent run."""
     t0 = time.perf_counter()
-    results = [run_policy(service, s) for s in specs]
+    results = [run_policy(service, s, scheduler) for s in specs]
     return results, time.perf_counter() - t0
 
 

@@ -11,6 +11,8 @@ separately.
 With `caches=True` each adapter also gets its prompt's `DecodeCache` for incremental decode: the encoder
 half's window KV and every kv-source segment (the encoder's and the CED source's) are one set of tensors
 referenced by every shared adapter's cache; each adapter owns only its decoder layers' window KV.
+`multi_adapter_decode` extends such caches a step at a time, running the encoder half once per distinct
+continuation (the same ids from the same shared encoder records), so the sharing lasts past the prompt.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from dsv4flash.lora.layers import is_lora_module
 from dsv4flash.model.cache import CacheStep, DecodeCache
 from dsv4flash.model.decode import empty_cache
 from dsv4flash.model.state import CSA2State
-from dsv4flash.service.batched_decoder import batched_decoder_logits, instance_override
-from dsv4flash.service.resident import placement_key
+from dsv4flash.service.compute.batched_decoder import batched_decoder_logits, instance_override
+from dsv4flash.service.compute.resident import placement_key
 
 
 def sharing_refusal(resident, placement) -> str | None:
@@ -115,6 +117,27 @@ def _shared_prefix(model, memo: dict, stats: Counter):
         yield
 
 
+def encoder_half(base, input_ids: torch.Tensor, past: DecodeCache | None):
+    """Embed + layers < decoder_start on the base, once -> ((streams, pre_mix, state, context), the CacheStep
+    holding the encoder layers' records over `past`, or None without a cache)."""
+    history = None if past is None else (past.ngram_ids, past.ngram_types)
+    streams, pre_mix, ctx = base.embed_inputs(input_ids, history=history)  # [B,S,hc,D]
+    step = None
+    if past is not None:
+        step = CacheStep(past)
+        ctx = dataclasses.replace(ctx, cache=step)  # records the encoder half's KV once
+    return base.run_layers(streams, pre_mix, CSA2State(), ctx, 0, base.cfg.decoder_start) + (ctx,), step
+
+
+def decoder_half(model, enc: tuple, step: CacheStep | None, memo: dict, stats: Counter) -> torch.Tensor:
+    """Layers ≥ decoder_start + head of one bound adapter over the shared encoder output -> logits [B,S,V]."""
+    streams, pre_mix, state, ctx = enc
+    with _shared_prefix(model, memo, stats):
+        streams, pre_mix, _ = model.run_layers(streams, pre_mix, state, dataclasses.replace(ctx, cache=step),
+                                               model.cfg.decoder_start, None)
+    return model.logits(streams, pre_mix)
+
+
 def _share_source_segments(caches: list[DecodeCache], layer: int) -> list[DecodeCache]:
     """Caches whose `layer` segment is bit-equal to the first's reference the first's tensors instead."""
     first = caches[0].sources[layer]
@@ -153,12 +176,8 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
         stats: Counter = Counter()  # reuses per shared op
         enc_step = None
         if result.shared:
-            base = resident.model
-            streams, pre_mix, ctx = base.embed_inputs(input_ids)  # [B,S,hc,D]
-            if caches:
-                enc_step = CacheStep(empty_cache(base, input_ids.shape[0], input_ids.device))
-                ctx = dataclasses.replace(ctx, cache=enc_step)  # records the encoder half's KV once
-            enc = base.run_layers(streams, pre_mix, CSA2State(), ctx, 0, start) + (ctx,)
+            past = empty_cache(resident.model, input_ids.shape[0], input_ids.device) if caches else None
+            enc, enc_step = encoder_half(resident.model, input_ids, past)
         groups: dict[str, list[int]] = {}
         if not exact:
             for i in result.shared:
@@ -178,12 +197,8 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
                 continue
             with resident.bind(pc, tensors) as model:
                 if i in result.shared:
-                    streams, pre_mix, state, ctx = enc
                     step = enc_step.fork() if enc_step is not None else None  # the encoder's records, shared
-                    with _shared_prefix(model, memo, stats):
-                        streams, pre_mix, _ = model.run_layers(streams, pre_mix, state,
-                                                               dataclasses.replace(ctx, cache=step), start, None)
-                    result.logits[i] = model.logits(streams, pre_mix)  # [B,S,V]
+                    result.logits[i] = decoder_half(model, enc, step, memo, stats)  # [B,S,V]
                     if step is not None:
                         result.caches[i] = step.finish(input_ids, torch.full_like(input_ids, -1))
                 elif caches:
@@ -196,3 +211,83 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
             result.caches[i] = cache
     result.compressor_reuses = stats["compressor"]
     return result
+
+
+def _encoder_key(cache: DecodeCache, start: int) -> tuple:
+    """What the encoder half of a decode step reads from `cache`: identical keys give identical encoder work."""
+    return (cache.length, tuple(id(w) for w in cache.window[:start]),
+            tuple(id(seg) for layer, seg in sorted(cache.sources.items()) if layer < start))
+
+
+@dataclass
+class MultiAdapterStep:
+    """One decode step of N adapters: logits per adapter ([B,V] or [B,n,V] fp32), the extended caches, and how
+    many encoder-half passes ran (1 when every adapter shared one)."""
+
+    logits: list[torch.Tensor]
+    caches: list[DecodeCache]
+    encoder_passes: int = 0
+    refused: dict[int, str] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def multi_adapter_decode(resident, caches: list[DecodeCache], next_ids: torch.Tensor | list[torch.Tensor],
+                         adapters: list[tuple]) -> MultiAdapterStep:
+    """Decode one token (next_ids [B]) or chunk ([B,n]) for N adapters, each from its own cache; bit-equal to
+    each adapter's own `model.decode(cache, next_ids)`.
+
+    `next_ids` is one tensor for every adapter (teacher forcing: the same continuation scored under N
+    adapters) or one per adapter. Decoder-only, KV-write-frozen adapters whose caches hold the same encoder
+    records (forks of one shared prefill, `multi_adapter_logits(..., caches=True)`, kept shared by every
+    step of this function) and that get the same ids run the encoder half once; each runs its own decoder
+    half from its own decoder-layer cache. The shared encoder records stay one set of tensors in the new
+    caches, so sharing continues for as long as the continuations agree; an adapter whose ids diverge is
+    grouped on its own (still one encoder pass per distinct continuation). Other adapters decode alone.
+    """
+    if len(caches) != len(adapters):
+        raise ValueError(f"multi_adapter_decode: {len(caches)} caches for {len(adapters)} adapters")
+    ids = list(next_ids) if isinstance(next_ids, (list, tuple)) else [next_ids] * len(adapters)
+    if len(ids) != len(adapters):
+        raise ValueError(f"multi_adapter_decode: {len(ids)} next_ids for {len(adapters)} adapters")
+    one_token = ids[0].ndim == 1
+    ids = [t[:, None] if t.ndim == 1 else t for t in ids]  # [B, n]
+    start = resident.cfg.decoder_start
+    out = MultiAdapterStep([None] * len(adapters), [None] * len(adapters))
+    groups: dict[tuple, list[int]] = {}
+    with resident.lock:
+        for i, (pc, _) in enumerate(adapters):
+            reason = sharing_refusal(resident, pc)
+            if reason is not None:
+                out.refused[i] = reason
+                continue
+            key = _encoder_key(caches[i], start)
+            for (k, leader), members in groups.items():  # same encoder records and the same ids
+                if k == key and torch.equal(ids[leader], ids[i]) and torch.equal(
+                        caches[leader].ngram_ids, caches[i].ngram_ids):
+                    members.append(i)
+                    break
+            else:
+                groups[(key, i)] = [i]
+        memo: dict = {}
+        stats: Counter = Counter()
+        for (_, leader), members in groups.items():
+            chunk = ids[leader]
+            enc, enc_step = encoder_half(resident.model, chunk, caches[leader])
+            out.encoder_passes += 1
+            types = torch.full_like(chunk, -1)
+            for i in members:
+                pc, tensors = adapters[i]
+                step = CacheStep(caches[i], dict(enc_step.window), dict(enc_step.sources))  # own decoder past
+                with resident.bind(pc, tensors) as model:
+                    out.logits[i] = decoder_half(model, enc, step, memo, stats)
+                out.caches[i] = step.finish(chunk, types)
+            if len(members) > 1 and start in resident.cfg.text.kv_source_layer_ids:
+                for i, cache in zip(members, _share_source_segments([out.caches[i] for i in members], start)):
+                    out.caches[i] = cache
+        for i in out.refused:
+            pc, tensors = adapters[i]
+            with resident.bind(pc, tensors) as model:
+                out.logits[i], out.caches[i] = model.decode(caches[i], ids[i])
+    if one_token:
+        out.logits = [lg[:, 0] for lg in out.logits]
+    return out
