@@ -2,7 +2,10 @@
 
 megatron-core places buffers on `torch.cuda.current_device()`, seeds and forks the CUDA RNG, creates
 CUDA streams/events, sometimes passes `device="cuda"` literally and converts split sizes to numpy only for
-CUDA tensors. `install()` points all of that at the CPU; `uninstall()` restores every attribute it replaced.
+CUDA tensors. Its optimizer CPU offload (`HybridDeviceOptimizer`) offloads only parameters that report
+`is_cuda` and pins its host copies. `install()` points all of that at the CPU (the offload keeps real,
+separate host copies of the "device" parameters, so host and device state stay distinct tensors);
+`uninstall()` restores every attribute it replaced.
 It changes global torch state, so nothing installs it implicitly except veRL's CPU development platform
 (`VERL_PLATFORM=cpu`, `dsv4flash.integrations.verl.cpu_platform`), in its own worker processes and only
 where no CUDA device is visible (checked there); the tests use it through `tests.mcore_cpu.shim` (the same
@@ -72,6 +75,8 @@ def _redirect_factory(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
     def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
         if "device" in kwargs:
             kwargs["device"] = _to_cpu(kwargs["device"])
+        if kwargs.get("pin_memory") and not torch.cuda.is_available():
+            kwargs["pin_memory"] = False  # no pinned allocator without an accelerator; host memory is host memory
         return fn(*args, **kwargs)
 
     factory.__wrapped_by_mcore_cpu_shim__ = fn  # type: ignore[attr-defined]
@@ -103,6 +108,45 @@ def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False)
     if as_numpy and torch.is_tensor(tensor):
         return tensor.detach().numpy()
     return tensor
+
+
+def _pin_memory(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`Tensor.pin_memory` without an accelerator: the host tensor itself (pinning only matters for DMA)."""
+
+    @functools.wraps(original)
+    def pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self if not torch.cuda.is_available() and self.device.type == "cpu" else original(self, *args, **kwargs)
+
+    return pin_memory
+
+
+@contextlib.contextmanager
+def _reporting_cuda(tensors: set[int]) -> Iterator[None]:
+    """Inside the block, the tensors whose `id` is in `tensors` report `is_cuda` (the rest their real device)."""
+    real = torch._C.TensorBase.is_cuda
+    torch.Tensor.is_cuda = property(lambda self: id(self) in tensors or real.__get__(self))
+    try:
+        yield
+    finally:
+        del torch.Tensor.is_cuda
+
+
+def _offload_split_on_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`HybridDeviceOptimizer._get_sub_optimizer_param_groups` with the model's parameters as the device ones.
+
+    Upstream offloads (clones to the host) only parameters that report `is_cuda`; on the CPU none does, so
+    nothing got a host copy and the first step failed (`KeyError` in `_set_sub_optimizer_grads`). Here the
+    parameters handed to the optimizer are the "device" ones, so `offload_fraction` of them get separate
+    host copies (master weights and moments live there, results are copied back) exactly as on a GPU.
+    """
+
+    @functools.wraps(original)
+    def split(self: Any, offload_fraction: float) -> Any:
+        device_params = {id(p) for group in self.param_groups for p in group["params"]}
+        with _reporting_cuda(device_params):
+            return original(self, offload_fraction)
+
+    return split
 
 
 def installed() -> bool:
@@ -138,6 +182,11 @@ def install() -> None:
     _replace(cuda, "synchronize", lambda *args, **kwargs: None)
     _replace(torch.Tensor, "record_stream", lambda self, *args, **kwargs: None)
     _replace(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+    _replace(torch.Tensor, "pin_memory", _pin_memory(torch.Tensor.pin_memory))
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    _replace(HybridDeviceOptimizer, "_get_sub_optimizer_param_groups",
+             _offload_split_on_cpu(HybridDeviceOptimizer._get_sub_optimizer_param_groups))
     for name in _FACTORIES:
         _replace(torch, name, _redirect_factory(getattr(torch, name)))
     rng_filter = _DropRngWarning()
