@@ -99,7 +99,7 @@ def _packed_cp_checks(rank, world_size, layout_name, recompute, precision, expec
 @pytest.mark.parametrize("layout_name, recompute", [
     pytest.param("zigzag", "none", id="zigzag", marks=LAYOUT(
         cp=2, packed=True, check="per-document zigzag vs each sequence alone: per-token loss, summed loss, "
-        "gradients; one owner per KV block; padding never in a group or a gradient")),
+        "gradients (fp32; fp64 to 1e-10); one owner per KV block; padding never in a group or a gradient")),
     pytest.param("contiguous", "full", id="contiguous", marks=LAYOUT(
         cp=2, packed=True, recompute="full", check="packed row split contiguously: same")),
 ])
