@@ -257,7 +257,8 @@ def install() -> None:
              _loading_initialises_torch_adam(DistributedOptimizer.sharded_state_dict))
     _replace(DistributedOptimizer, "_set_main_param_and_optimizer_states",
              _states_keep_torch_adam_step(DistributedOptimizer._set_main_param_and_optimizer_states))
-    _replace(DistributedOptimizer, "load_state_dict", _load_gives_each_param_its_step(DistributedOptimizer.load_state_dict))
+    _replace(DistributedOptimizer, "load_state_dict",
+             _load_gives_each_param_its_step(DistributedOptimizer.load_state_dict))
     for name in _FACTORIES:
         _replace(torch, name, _redirect_factory(getattr(torch, name)))
     rng_filter = _DropRngWarning()

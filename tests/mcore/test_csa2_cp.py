@@ -76,8 +76,8 @@ def _cp_checks(rank, world_size, layout_name, recompute, precision, expected_pat
 
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
 @pytest.mark.parametrize("layout_name, recompute", [
-    pytest.param("zigzag", "none", id="zigzag", marks=LAYOUT(cp=2, check="zigzag: logits, gradients summed over "
-                                                                    "ranks (fp32; fp64 to 1e-10), one owner per KV block")),
+    pytest.param("zigzag", "none", id="zigzag", marks=LAYOUT(
+        cp=2, check="zigzag: logits, gradients summed over ranks (fp32; fp64 to 1e-10), one owner per KV block")),
     pytest.param("contiguous", "full", id="contiguous", marks=LAYOUT(cp=2, recompute="full", check="contiguous: same")),
 ])
 def test_two_rank_context_parallel_equals_single_device(layout_name, recompute, precision, tmp_path):
