@@ -2,7 +2,12 @@
 
 megatron-core places buffers on `torch.cuda.current_device()`, seeds and forks the CUDA RNG, creates
 CUDA streams/events, sometimes passes `device="cuda"` literally and converts split sizes to numpy only for
-CUDA tensors. `install()` points all of that at the CPU; `uninstall()` restores every attribute it replaced.
+CUDA tensors. Its optimizer CPU offload (`HybridDeviceOptimizer`) offloads only parameters that report
+`is_cuda` and pins its host copies. Without TE or Apex (always, on a CPU) its distributed optimizer falls
+back to torch's Adam, whose per-parameter `step` state its resharding load does not expect. `install()`
+points all of that at the CPU (the offload keeps real, separate host copies of the "device" parameters, so
+host and device state stay distinct tensors) and completes the torch-Adam checkpoint load; `uninstall()`
+restores every attribute it replaced.
 It changes global torch state, so nothing installs it implicitly except veRL's CPU development platform
 (`VERL_PLATFORM=cpu`, `dsv4flash.integrations.verl.cpu_platform`), in its own worker processes and only
 where no CUDA device is visible (checked there); the tests use it through `tests.mcore_cpu.shim` (the same
@@ -72,6 +77,8 @@ def _redirect_factory(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Te
     def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
         if "device" in kwargs:
             kwargs["device"] = _to_cpu(kwargs["device"])
+        if kwargs.get("pin_memory") and not torch.cuda.is_available():
+            kwargs["pin_memory"] = False  # no pinned allocator without an accelerator; host memory is host memory
         return fn(*args, **kwargs)
 
     factory.__wrapped_by_mcore_cpu_shim__ = fn  # type: ignore[attr-defined]
@@ -103,6 +110,107 @@ def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False)
     if as_numpy and torch.is_tensor(tensor):
         return tensor.detach().numpy()
     return tensor
+
+
+def _pin_memory(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`Tensor.pin_memory` without an accelerator: the host tensor itself (pinning only matters for DMA)."""
+
+    @functools.wraps(original)
+    def pin_memory(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self if not torch.cuda.is_available() and self.device.type == "cpu" else original(self, *args, **kwargs)
+
+    return pin_memory
+
+
+@contextlib.contextmanager
+def _reporting_cuda(tensors: set[int]) -> Iterator[None]:
+    """Inside the block, the tensors whose `id` is in `tensors` report `is_cuda` (the rest their real device)."""
+    real = torch._C.TensorBase.is_cuda
+    torch.Tensor.is_cuda = property(lambda self: id(self) in tensors or real.__get__(self))
+    try:
+        yield
+    finally:
+        del torch.Tensor.is_cuda
+
+
+def _offload_split_on_cpu(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`HybridDeviceOptimizer._get_sub_optimizer_param_groups` with the model's parameters as the device ones.
+
+    Upstream offloads (clones to the host) only parameters that report `is_cuda`; on the CPU none does, so
+    nothing got a host copy and the first step failed (`KeyError` in `_set_sub_optimizer_grads`). Here the
+    parameters handed to the optimizer are the "device" ones, so `offload_fraction` of them get separate
+    host copies (master weights and moments live there, results are copied back) exactly as on a GPU.
+    """
+
+    @functools.wraps(original)
+    def split(self: Any, offload_fraction: float) -> Any:
+        device_params = {id(p) for group in self.param_groups for p in group["params"]}
+        with _reporting_cuda(device_params):
+            return original(self, offload_fraction)
+
+    return split
+
+
+def _loading_initialises_torch_adam(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`DistributedOptimizer.sharded_state_dict`: with torch's Adam, initialise the state before a load.
+
+    Its `state_dict()` reads each parameter's `step`, which torch's Adam creates on its first step, so a
+    fresh optimizer could not even describe what it wants to load (`assert len(steps) == 1`). Upstream does
+    the same dummy initialisation for its `fully_sharded_model_space` format; the loaded values replace it.
+    """
+
+    @functools.wraps(original)
+    def sharded_state_dict(self: Any, model_sharded_state_dict: Any, is_loading: bool = False, *args: Any,
+                           **kwargs: Any) -> Any:
+        from megatron.core.optimizer import distrib_optimizer
+
+        if is_loading and not distrib_optimizer.HAVE_APEX_OR_TE and len(self.optimizer.state) == 0:
+            self._init_optimizer_states_with_dummy_values()
+        return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    return sharded_state_dict
+
+
+def _states_keep_torch_adam_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`DistributedOptimizer._set_main_param_and_optimizer_states` that leaves state the checkpoint lacks.
+
+    A resharding load (`fully_reshardable`, `dp_reshardable`) hands over the main param and the moments;
+    torch's Adam also holds a per-parameter `step` tensor, which `load_state_dict` restores from the param
+    groups, and the stock setter indexed the loaded tensors by it (`KeyError: 'step'`).
+    """
+
+    @functools.wraps(original)
+    def set_states(self: Any, model_param: Any, tensors: dict) -> Any:
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            kept = {k: v for k, v in self.optimizer.state[main_param].items() if k not in tensors}
+            tensors = {**kept, **tensors}  # a kept tensor is copied onto itself
+        return original(self, model_param, tensors)
+
+    return set_states
+
+
+def _load_gives_each_param_its_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`DistributedOptimizer.load_state_dict` with torch's Adam: one `step` tensor per parameter.
+
+    The stock load puts the *same* step tensor into every parameter's state, and torch's Adam increments
+    each parameter's step in place, so after one resumed step parameter i had seen i + 1 increments (wrong
+    bias correction everywhere but the first parameter; found by the CP = 2 -> PP = 2 resume test).
+    """
+
+    @functools.wraps(original)
+    def load_state_dict(self: Any, state_dict: Any) -> Any:
+        from megatron.core.optimizer import distrib_optimizer
+
+        out = original(self, state_dict)
+        if not distrib_optimizer.HAVE_APEX_OR_TE:
+            for state in self.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+        return out
+
+    return load_state_dict
 
 
 def installed() -> bool:
@@ -138,6 +246,19 @@ def install() -> None:
     _replace(cuda, "synchronize", lambda *args, **kwargs: None)
     _replace(torch.Tensor, "record_stream", lambda self, *args, **kwargs: None)
     _replace(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+    _replace(torch.Tensor, "pin_memory", _pin_memory(torch.Tensor.pin_memory))
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    _replace(HybridDeviceOptimizer, "_get_sub_optimizer_param_groups",
+             _offload_split_on_cpu(HybridDeviceOptimizer._get_sub_optimizer_param_groups))
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    _replace(DistributedOptimizer, "sharded_state_dict",
+             _loading_initialises_torch_adam(DistributedOptimizer.sharded_state_dict))
+    _replace(DistributedOptimizer, "_set_main_param_and_optimizer_states",
+             _states_keep_torch_adam_step(DistributedOptimizer._set_main_param_and_optimizer_states))
+    _replace(DistributedOptimizer, "load_state_dict",
+             _load_gives_each_param_its_step(DistributedOptimizer.load_state_dict))
     for name in _FACTORIES:
         _replace(torch, name, _redirect_factory(getattr(torch, name)))
     rng_filter = _DropRngWarning()

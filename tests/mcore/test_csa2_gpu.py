@@ -16,6 +16,7 @@ import torch
 
 from tests.mcore import csa2_support as sup
 from tests.mcore.layout_matrix import LAYOUT
+from tests.mcore.test_csa2_offload import offload_run, state_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.upstream]
 
@@ -92,44 +93,6 @@ def test_transformer_engine_full_recompute_matches_no_recompute(gpu):
         torch.testing.assert_close(runs[1][name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def _offload_run(ref, offload: bool, steps: int = 3) -> tuple[dict, object]:
-    """bf16 model + decoder LoRA, full recompute, megatron-core DDP + distributed Adam (optionally offloaded)."""
-    import zlib
-
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
-
-    from dsv4flash.integrations import mbridge
-    from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider, load_reference_state
-
-    model = DSV41ModelProvider(ref.cfg, recompute="full", overrides=dict(
-        bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)).provide().cuda()
-    load_reference_state(model, {k: v.cuda() for k, v in ref.state_dict().items()})
-    model = mbridge.DSV41LoRA(target_modules=["linear_q_down", "linear_kv", "linear_proj", "linear_o_group_proj"],
-                              dim=4, alpha=8)(model, training=True)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".adapter." in name:
-                gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-                param.copy_(torch.randn(param.shape, generator=gen).to(param.device) * 0.05)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True), Float16Module(model.config, model))
-    optimizer = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=1e-3, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
-        optimizer_cpu_offload=offload, optimizer_offload_fraction=1.0 if offload else 0.0,
-        use_precision_aware_optimizer=offload), [ddp])
-    for step in range(steps):
-        ids = sup.token_ids(1, 64, seed=70 + step).cuda()
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        ddp(ids, labels=ids).float().mean().backward()
-        ddp.finish_grad_sync()
-        ok, _, _ = optimizer.step()
-        assert ok
-    return {n: p.detach().float().cpu() for n, p in model.named_parameters() if ".adapter." in n}, optimizer
-
-
 @LAYOUT(recompute="full", offload=True, status="gpu", check="bf16, distributed Adam with master weights "
         "and moments on the host (HybridDeviceOptimizer, fraction 1) vs on the device: same adapters after 3 steps")
 def test_full_recompute_with_optimizer_cpu_offload_matches_device_optimizer(gpu):
@@ -139,13 +102,14 @@ def test_full_recompute_with_optimizer_cpu_offload_matches_device_optimizer(gpu)
 
     shim.install()
     ref = sup.reference(seed=0).cuda()
-    on_device, _ = _offload_run(ref, offload=False)
-    offloaded, optimizer = _offload_run(ref, offload=True)
+    _, on_device, _ = offload_run(ref, offload=False, device="cuda")
+    _, offloaded, optimizer = offload_run(ref, offload=True, device="cuda")
     hybrid = optimizer.optimizer
     assert isinstance(hybrid, HybridDeviceOptimizer) and hybrid.cpu_optimizers and hybrid.gpu_optimizer is None
     host_state = [t for opt in hybrid.cpu_optimizers for s in opt.state.values() for t in s.values()
                   if torch.is_tensor(t) and t.numel() > 1]
     assert host_state and all(t.device.type == "cpu" for t in host_state)  # moments and master weights
+    assert state_bytes(optimizer)["device"] == 0
     assert on_device.keys() == offloaded.keys()
-    for name, want in on_device.items():  # host AdamW vs device Adam: same fp32 math, bf16 params
+    for name, want in on_device.items():  # host AdamW vs device (fused) Adam: same fp32 math, bf16 params
         torch.testing.assert_close(offloaded[name], want, rtol=1e-2, atol=1e-3, msg=name)

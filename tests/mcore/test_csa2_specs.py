@@ -175,3 +175,32 @@ def test_float16_module_keeps_the_release_fp32_islands(mcore):
     with torch.no_grad():
         got, want = wrapped(ids).float().flatten(), ref(ids).float().flatten()
     assert float(torch.nn.functional.cosine_similarity(got, want, dim=0)) > 0.999
+
+
+def test_float16_module_keeps_fp32_islands_behind_a_lora_wrapper(mcore):
+    """A LoRA on the ratio > 1 compressor (`linear_kv` matches it): the island and its adapter stay fp32."""
+    from megatron.core.transformer.module import Float16Module
+
+    from dsv4flash.integrations import mbridge
+    from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider, load_reference_state
+    from tests.mbridge import shim
+
+    shim.install()
+    ref = sup.reference(seed=0)
+    model = DSV41ModelProvider(ref.cfg, overrides=dict(bf16=True, params_dtype=torch.bfloat16,
+                                                       pipeline_dtype=torch.bfloat16)).provide()
+    load_reference_state(model, ref.state_dict())
+    model = mbridge.DSV41LoRA(target_modules=["linear_kv"], dim=4, alpha=8)(model, training=True)
+    wrapped = Float16Module(model.config, model)
+    plan = ref.cfg.backbone_plan
+    islands = [i for i, layer in enumerate(plan) if layer.ratio > 1 and layer.has_compressor]
+    assert islands
+    for name, param in wrapped.named_parameters():
+        if ".compressor.linear_kv." not in name:
+            continue
+        fp32 = plan[int(name.split(".")[3])].ratio > 1
+        assert (param.dtype == torch.float32) == fp32, f"{name}: {param.dtype}"
+    base = model.decoder.layers[islands[0]].self_attention.compressor.linear_kv.to_wrap.weight
+    assert torch.equal(base, ref.layers[islands[0]].attn.compressor.wkv.weight)  # exact, not a bf16 round trip
+    ids = sup.token_ids(1, 32, seed=56)
+    wrapped(ids).float().sum().backward()  # fp32 island input, fp32 adapter: runs (bf16 adapter: dtype error)

@@ -4,7 +4,8 @@ Each CP pair of a TP rank holds the zigzag spans of the sequence; within a CP ra
 heads, sink and output groups and run the MoE sequence-parallel over the CP shard. The oracle is the
 single-device reference on the whole sequence: every rank's gathered logits equal the reference at its
 positions, and every gradient summed over the CP ranks (the router's also over the TP ranks) equals the
-rank's shard of the reference gradient.
+rank's shard of the reference gradient — in fp32 and, to 1e-10 of each gradient's size, in fp64
+(`tests/mcore/float64.py`; the fp32 bound: test_csa2_packed_cp.py).
 """
 
 from __future__ import annotations
@@ -13,13 +14,20 @@ import pytest
 import torch
 
 from tests.mcore import csa2_support as sup
+from tests.mcore.float64 import precision_scope
+from tests.mcore.test_csa2_cp import TOLERANCE
 from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
 pytestmark = [pytest.mark.upstream, pytest.mark.parity]
 
 
-def _tp_cp_rank(rank: int, world_size: int, expected_path: str) -> None:
+def _tp_cp_rank(rank: int, world_size: int, precision: str, expected_path: str) -> None:
+    with precision_scope(precision):
+        _tp_cp_checks(rank, world_size, precision, expected_path)
+
+
+def _tp_cp_checks(rank: int, world_size: int, precision: str, expected_path: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -39,7 +47,8 @@ def _tp_cp_rank(rank: int, world_size: int, expected_path: str) -> None:
         ids = expected["ids"]
         positions = CPSpans.build("zigzag", 2, cp_rank, ids.shape[1] // 2).positions()
         out = model(ids[:, positions])
-        torch.testing.assert_close(out, expected["logits"][:, positions], rtol=0, atol=2e-5)
+        logits_atol, grad_rel = TOLERANCE[precision]
+        torch.testing.assert_close(out, expected["logits"][:, positions], rtol=0, atol=logits_atol)
         (out * expected["weights"][:, positions]).sum().backward()
         params = dict(model.named_parameters())
         checked = 0
@@ -57,17 +66,19 @@ def _tp_cp_rank(rank: int, world_size: int, expected_path: str) -> None:
             if getattr(params[pair.megatron], "sequence_parallel", False):  # router: local tokens only
                 dist.all_reduce(got, group=parallel_state.get_tensor_model_parallel_group())
             err, scale = float((got - want).abs().max()), float(want.abs().max())
-            # CP reorders fp32 sums (an FP8 window-KV code can flip), as in test_csa2_cp.
-            assert err <= 5e-3 * scale + 1e-7, f"rank {rank} {pair.megatron}: |Δgrad| {err:.3g} vs {scale:.3g}"
+            assert err <= grad_rel * scale + 1e-30, \
+                f"rank {rank} {precision} {pair.megatron}: |Δgrad| {err:.3g} vs {scale:.3g}"
             checked += 1
         assert checked > 50, f"rank {rank}: only {checked} gradients compared"
 
 
 @pytest.mark.slow
 @LAYOUT(tp=2, cp=2, recompute="full", check="4 ranks, training: logits at each rank's zigzag positions, every "
-        "gradient shard summed over CP (router also over TP)")
-def test_tensor_and_context_parallel_training_equals_single_device(tmp_path):
+        "gradient shard summed over CP (router also over TP) (fp32; fp64 to 1e-10)")
+@pytest.mark.parametrize("precision", ["fp64", "fp32"])
+def test_tensor_and_context_parallel_training_equals_single_device(precision, tmp_path):
     with sup.single_thread():
         path = tmp_path / "expected.pt"
-        sup.save_reference_expectation(path, ids_seed=75, probe_seed=76)
-        parallel.spawn_gloo(_tp_cp_rank, 4, str(path), timeout=600)
+        with precision_scope(precision):
+            sup.save_reference_expectation(path, ids_seed=75, probe_seed=76)
+        parallel.spawn_gloo(_tp_cp_rank, 4, precision, str(path), timeout=600)

@@ -35,6 +35,32 @@ def test_install_redirects_and_uninstall_restores():
     assert all(getattr(torch, name) is fn for name, fn in originals.items())
 
 
+def test_offload_and_torch_adam_load_fixes_install_and_restore():
+    """The optimizer pieces of the CPU mode: pinning, the offload split, torch-Adam's resharding load."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    names = ("sharded_state_dict", "_set_main_param_and_optimizer_states", "load_state_dict")
+    originals = {name: getattr(DistributedOptimizer, name) for name in names}
+    split, pin = HybridDeviceOptimizer._get_sub_optimizer_param_groups, torch.Tensor.pin_memory
+    with shim.cuda_redirect():
+        t = torch.ones(3)
+        assert t.pin_memory() is t and torch.empty(2, pin_memory=True).device.type == "cpu"
+        param = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        hdo = HybridDeviceOptimizer([param], offload_fraction=1.0, cpu_optimizer_cls=torch.optim.AdamW,
+                                    gpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True, lr=0.5)
+        (host,) = hdo.gpu_params_map_cpu_copy.values()  # the parameter counts as the device copy
+        assert host.dtype == torch.float32 and host.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+        assert hdo.gpu_optimizer is None and not param.is_cuda  # is_cuda is reported only during the split
+        param.grad = torch.ones(4, dtype=torch.bfloat16)
+        hdo.step()
+        assert bool((param < 1).all()), "the host step's result was not copied back to the parameter"
+        assert all(getattr(DistributedOptimizer, name) is not fn for name, fn in originals.items())
+    assert all(getattr(DistributedOptimizer, name) is fn for name, fn in originals.items())
+    assert HybridDeviceOptimizer._get_sub_optimizer_param_groups is split and torch.Tensor.pin_memory is pin
+    assert "is_cuda" not in torch.Tensor.__dict__
+
+
 def test_cuda_rng_fork_runs_on_the_cpu_stream_and_restores_it(mcore_parallel):
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 

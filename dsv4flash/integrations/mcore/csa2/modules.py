@@ -69,17 +69,33 @@ class KeepFP32:
 
     def _apply(self, fn, recurse: bool = True):  # noqa: D401 - torch hook
         """nn.Module._apply, then restore the fp32 islands from their pre-cast values."""
-        saved = {}
-        for name in self._fp32_params:
-            param = self.get_parameter(name)
-            if param.dtype == torch.float32:
-                saved[name] = param.data
+        islands = self._fp32_islands()
+        saved = [(param, param.data) for param in islands if param.dtype == torch.float32]
         out = super()._apply(fn, recurse)
-        for name, before in saved.items():
-            param = self.get_parameter(name)
+        for param, before in saved:
             if param.dtype != torch.float32 and not param.is_meta:
                 param.data = before.to(device=param.device)
+        for param in islands:  # an adapter created in params_dtype joins its island (an exact upcast)
+            if param.is_floating_point() and param.dtype != torch.float32 and not param.is_meta:
+                param.data = param.data.float()
         return out
+
+    def _fp32_islands(self) -> list[torch.nn.Parameter]:
+        """The `_fp32_params`, and the adapter of any adapter wrapper in their path: Megatron-Bridge's
+        `LoRALinear` holds the linear as `to_wrap` (its `weight` property is the merged weight), and an
+        adapter on an fp32 island sees the island's fp32 input, so it keeps fp32 too."""
+        islands = []
+        for name in self._fp32_params:
+            owner, _, leaf = name.rpartition(".")
+            module = self.get_submodule(owner) if owner else self
+            while leaf not in module._parameters and isinstance(getattr(module, "to_wrap", None), torch.nn.Module):
+                adapter = getattr(module, "adapter", None)
+                islands += list(adapter.parameters()) if isinstance(adapter, torch.nn.Module) else []
+                module = module.to_wrap
+            if module._parameters.get(leaf) is None:
+                raise AttributeError(f"{type(self).__name__}: fp32 island {name!r} is not a parameter")
+            islands.append(module._parameters[leaf])
+        return islands
 
 
 def sharded_state_dict_with_tp_axes(module: MegatronModule, axes: dict[str, int], prefix: str = "",
