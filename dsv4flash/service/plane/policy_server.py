@@ -44,6 +44,7 @@ class Session:
     last_seen: float = field(default_factory=time.time)
     finished: bool = False
     sampler_clones: int = 0
+    custom_losses: dict = field(default_factory=dict)  # loss id -> CustomLoss (create_custom_loss)
 
 
 @dataclass
@@ -56,6 +57,13 @@ class Sampler:
     model_path: str | None
     session_id: str
     clones: int = 0
+    completions: dict = field(default_factory=dict)  # clone number -> CompletionQueue (retrieve_futures)
+
+    def completion_queue(self, clone: int):
+        """The completion queue of one clone of this sampling session (created on first use)."""
+        from dsv4flash.service.plane.completions import CompletionQueue
+
+        return self.completions.setdefault(int(clone), CompletionQueue())
 
 
 class PolicyServer:
@@ -121,6 +129,25 @@ class PolicyServer:
                 del self._models[run]
             for sid in [k for k, v in self._samplers.items() if v.session_id == session_id]:
                 del self._samplers[sid]
+
+    # ---- server-side custom losses ----
+    def add_custom_loss(self, tenant: str, session_id: str, seq_id: int, loss) -> str:
+        """Keep a validated custom loss for the session -> its loss id (usable by that session's models)."""
+        s = self.session(tenant, session_id)
+        loss_id = f"{session_id}:loss:{int(seq_id)}"
+        s.custom_losses[loss_id] = loss
+        return loss_id
+
+    def custom_loss(self, tenant: str, model_id: str, loss_id) -> Any:
+        """The custom loss `loss_id` of the session that owns `model_id` (BadRequest naming the field)."""
+        if not isinstance(loss_id, str) or not loss_id:
+            raise BadRequest("loss_fn_config.loss_id: required for loss_fn 'custom' (a create_custom_loss id)")
+        with self._lock:
+            s = self._sessions.get(model_id.split(":", 1)[0])
+        loss = None if s is None or s.tenant != tenant else s.custom_losses.get(loss_id)
+        if loss is None:
+            raise BadRequest(f"loss_fn_config.loss_id: {loss_id!r} is not a custom loss of this model's session")
+        return loss
 
     # ---- operations ----
     def submit(self, tenant: str, kind: str, start: Callable[[], Any], encode: Callable[[Any], Any]) -> str:

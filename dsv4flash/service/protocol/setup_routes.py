@@ -17,10 +17,11 @@ async def healthz(request: Request) -> Response:
 async def client_config(request: Request) -> Response:
     tenant_of(request)
     # Key -> JWT exchange (what lets MinT's sk- keys through its patched auth); httpx transport; chunks in
-    # order; zstd-compressed protobuf bodies.
+    # order; zstd-compressed protobuf bodies; one retrieve_futures poller per sampling session; custom losses
+    # uploaded and run here.
     return model_json(tinker_types().ClientConfigResponse(
         pjwt_auth_enabled=True, use_pyqwest_transport=False, parallel_fwdbwd_chunks=False,
-        proto_compress_fwdbwd=True))
+        proto_compress_fwdbwd=True, sample_use_retrieve_futures=True, custom_loss_server_side=True))
 
 
 async def auth_token(request: Request) -> Response:
