@@ -10,6 +10,7 @@ another tenant is answered exactly like something that does not exist (`NotFound
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import secrets
 import threading
 import time
@@ -169,6 +170,19 @@ class PolicyServer:
         """Run a synchronous core call on the plane's worker pool."""
         return self._pool.submit(fn, *args, **kwargs)
 
+    # ---- the resident base ----
+    def resolve_base(self, base_model: str) -> str:
+        """The resident base's name for `base_model`: its own name, or the Hugging Face directory this server
+        serves for it (`tokenizer_id`), so tools that load a tokenizer by model name (tinker-cookbook's
+        `get_tokenizer(model_name)`) find it on disk; BadRequest naming the field otherwise."""
+        name = self.service.base.base_model
+        if base_model == name:
+            return name
+        if self.tokenizer_dir is not None and os.path.realpath(str(base_model)) == os.path.realpath(self.tokenizer_dir):
+            return name
+        raise BadRequest(f"base_model: {base_model!r} is not served here (the resident base is {name!r}, also "
+                         f"reachable as its directory {self.tokenizer_dir!r})")
+
     # ---- runs ----
     def model(self, tenant: str, model_id: str):
         """The tenant's live core TrainingClient for a model id."""
@@ -192,7 +206,7 @@ class PolicyServer:
         model_id = f"{session_id}:train:{int(model_seq_id)}"
         run = run_id_of(model_id)
         self.owners.claim(run, tenant)
-        tc = self.service.create_lora_training_client(base_model, user_metadata=user_metadata, run_id=run, **lora)
+        tc = self.service.create_lora_training_client(self.resolve_base(base_model), user_metadata=user_metadata, run_id=run, **lora)
         with self._lock:
             self._models[run] = tc
         return model_id
@@ -252,9 +266,8 @@ class PolicyServer:
         self.session(tenant, session_id)
         if model_path is not None:
             self.require_readable(tenant, model_path)
-        elif base_model is not None and base_model != self.service.base.base_model:
-            raise BadRequest(f"base_model: {base_model!r} is not served here (the resident base is "
-                             f"{self.service.base.base_model!r})")
+        elif base_model is not None:
+            self.resolve_base(base_model)
         client = self.service.create_sampling_client(model_path=model_path)
         return self.add_sampler(tenant, session_id, client, model_path)
 

@@ -60,9 +60,11 @@ async def capabilities(request: Request) -> Response:
     tenant_of(request)
     t = tinker_types()
     base = plane_of(request).service.base
+    plane = plane_of(request)
+    names = [base.base_model] + ([plane.tokenizer_dir] if plane.tokenizer_dir else [])  # same base, two names
     return model_json(t.GetServerCapabilitiesResponse(supported_models=[t.SupportedModel(
-        model_name=base.base_model, max_context_length=int(base.cfg.text.max_position_embeddings),
-        trainable=True, sampleable=True)]))
+        model_name=name, max_context_length=int(base.cfg.text.max_position_embeddings),
+        trainable=True, sampleable=True) for name in names]))
 
 
 async def telemetry(request: Request) -> Response:

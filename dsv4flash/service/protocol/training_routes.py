@@ -31,9 +31,7 @@ async def create_model(request: Request) -> Response:
     req = await parse(request, tinker_types().CreateModelRequest)
     plane = plane_of(request)
     plane.session(tenant, req.session_id)
-    if req.base_model != plane.service.base.base_model:
-        raise BadRequest(f"base_model: {req.base_model!r} is not served here (the resident base is "
-                         f"{plane.service.base.base_model!r})")
+    plane.resolve_base(req.base_model)
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
     rid = plane.submit(tenant, "create_model",
                        lambda: plane.in_pool(plane.create_model, tenant, req.session_id, req.model_seq_id,
