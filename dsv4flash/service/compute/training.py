@@ -93,6 +93,11 @@ class TrainingClient:
             self.save_weights_for_sampler(name).result()
         return self.snapshot_sampling_client().result()
 
+    def schedule_with(self, scheduler, policy: str) -> None:
+        """Run each of this client's calls as one turn of `scheduler` (a `PhaseScheduler`): the snapshot that
+        starts a rollout as a rollout, every other call as an update (how `dsv4flash serve` shares the base)."""
+        self._exec.gate = lambda fn: scheduler.turn(policy, "rollout" if fn == self._snapshot_sampler else "update")
+
     def run_ordered(self, fn, *args) -> APIFuture:
         """`fn(self, *args)` on this client's worker, in submission order with its other calls (extensions)."""
         return self._exec.submit(fn, self, *args)

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from dsv4flash.service.compute.scheduler import PhaseScheduler
 from dsv4flash.service.plane.operations import OperationTable
 from dsv4flash.service.plane.owners import RunOwners
 from dsv4flash.service.types import ParsedCheckpointTinkerPath
@@ -85,6 +86,9 @@ class PolicyServer:
         self.session_timeout_s = float(session_timeout_s)
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dsv4flash-plane")
+        # The compute plane's scheduler, the same one the in-process concurrent GRPO uses: every core call of
+        # every tenant takes one turn on the resident base, sampling (rollouts) before training (updates).
+        self.scheduler = PhaseScheduler()
 
     # ---- sessions ----
     def create_session(self, tenant: str, user_metadata: dict | None) -> str:
@@ -207,6 +211,7 @@ class PolicyServer:
         run = run_id_of(model_id)
         self.owners.claim(run, tenant)
         tc = self.service.create_lora_training_client(self.resolve_base(base_model), user_metadata=user_metadata, run_id=run, **lora)
+        tc.schedule_with(self.scheduler, run)
         with self._lock:
             self._models[run] = tc
         return model_id
@@ -222,6 +227,7 @@ class PolicyServer:
         make = (self.service.create_training_client_from_state_with_optimizer if with_optimizer
                 else self.service.create_training_client_from_state)
         tc = make(path, user_metadata, run_id=run)
+        tc.schedule_with(self.scheduler, run)
         with self._lock:
             self._models[run] = tc
         return path, model_id
@@ -278,6 +284,7 @@ class PolicyServer:
         oldest (an RL loop makes one per step with `save_weights_and_get_sampling_client`; old ones answer 404).
         """
         sid = f"sampler-{secrets.token_hex(6)}"
+        client.schedule_with(self.scheduler, model_path or sid)
         with self._lock:
             mine = [k for k, v in self._samplers.items() if v.tenant == tenant]
             for old in mine[:max(0, len(mine) - self.max_samplers + 1)]:
@@ -292,6 +299,7 @@ class PolicyServer:
             client = self._by_path.pop(model_path, None)
         if client is None:
             client = self.service.create_sampling_client(model_path=model_path)
+            client.schedule_with(self.scheduler, model_path or "base")
         with self._lock:
             self._by_path[model_path] = client  # most recent last
             while len(self._by_path) > self.max_samplers:
