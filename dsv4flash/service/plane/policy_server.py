@@ -72,7 +72,8 @@ class PolicyServer:
     """Tenant-checked, queued access to one `ServiceClient` (resident base + adapter store)."""
 
     def __init__(self, service, *, tokenizer_dir: str | None = None, max_pending: int = 64,
-                 keep_s: float = 3600.0, max_samplers: int = 32, session_timeout_s: float = 600.0) -> None:
+                 keep_s: float = 3600.0, max_samplers: int = 32, session_timeout_s: float = 600.0,
+                 phase_scheduler: bool = True) -> None:
         self.service = service
         self.tokenizer_dir = tokenizer_dir
         self.owners = RunOwners(service.root)
@@ -88,7 +89,8 @@ class PolicyServer:
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dsv4flash-plane")
         # The compute plane's scheduler, the same one the in-process concurrent GRPO uses: every core call of
         # every tenant takes one turn on the resident base, sampling (rollouts) before training (updates).
-        self.scheduler = PhaseScheduler()
+        # Without it (phase_scheduler=False) calls meet only at the base lock, in arrival order.
+        self.scheduler = PhaseScheduler() if phase_scheduler else None
 
     # ---- sessions ----
     def create_session(self, tenant: str, user_metadata: dict | None) -> str:
@@ -211,7 +213,7 @@ class PolicyServer:
         run = run_id_of(model_id)
         self.owners.claim(run, tenant)
         tc = self.service.create_lora_training_client(self.resolve_base(base_model), user_metadata=user_metadata, run_id=run, **lora)
-        tc.schedule_with(self.scheduler, run)
+        self._schedule(tc, run)
         with self._lock:
             self._models[run] = tc
         return model_id
@@ -227,7 +229,7 @@ class PolicyServer:
         make = (self.service.create_training_client_from_state_with_optimizer if with_optimizer
                 else self.service.create_training_client_from_state)
         tc = make(path, user_metadata, run_id=run)
-        tc.schedule_with(self.scheduler, run)
+        self._schedule(tc, run)
         with self._lock:
             self._models[run] = tc
         return path, model_id
@@ -284,7 +286,7 @@ class PolicyServer:
         oldest (an RL loop makes one per step with `save_weights_and_get_sampling_client`; old ones answer 404).
         """
         sid = f"sampler-{secrets.token_hex(6)}"
-        client.schedule_with(self.scheduler, model_path or sid)
+        self._schedule(client, model_path or sid)
         with self._lock:
             mine = [k for k, v in self._samplers.items() if v.tenant == tenant]
             for old in mine[:max(0, len(mine) - self.max_samplers + 1)]:
@@ -299,7 +301,7 @@ class PolicyServer:
             client = self._by_path.pop(model_path, None)
         if client is None:
             client = self.service.create_sampling_client(model_path=model_path)
-            client.schedule_with(self.scheduler, model_path or "base")
+            self._schedule(client, model_path or "base")
         with self._lock:
             self._by_path[model_path] = client  # most recent last
             while len(self._by_path) > self.max_samplers:
@@ -342,6 +344,10 @@ class PolicyServer:
 
     def _exists(self, run: str) -> bool:
         return run in set(self.service.store.catalog.list_policies())
+
+    def _schedule(self, client, policy: str) -> None:
+        if self.scheduler is not None:
+            client.schedule_with(self.scheduler, policy)
 
     def close(self) -> None:
         """Stop the worker pool (queued core work still finishes on its own threads)."""
