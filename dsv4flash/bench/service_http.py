@@ -219,7 +219,9 @@ def _plot(lat, grpo, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    panels = [p for p in (lat, grpo) if p]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5)) if len(panels) == 2 else plt.subplots(1, 1, figsize=(5.5, 3.5))
+    axes = list(axes) if len(panels) == 2 else ([axes, None] if lat else [None, axes])
     if lat:
         names = ["step_local", "step_http", "sample_local", "sample_http"]
         x = np.arange(len(names))
