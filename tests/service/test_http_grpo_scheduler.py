@@ -95,3 +95,18 @@ def test_the_policy_server_runs_core_calls_as_scheduler_turns(resident, tmp_path
         assert plane.scheduler.busy_s["update"] > 0 and plane.scheduler.busy_s["rollout"] > 0
     finally:
         plane.close()
+
+
+def test_without_the_phase_scheduler_calls_meet_only_at_the_base_lock(resident, tmp_path):
+    from dsv4flash.service.plane.policy_server import PolicyServer
+
+    plane = PolicyServer(core.ServiceClient(root=tmp_path, resident=resident), phase_scheduler=False)
+    try:
+        sid = plane.create_session("alice", {})
+        tc = plane.model("alice", plane.create_model("alice", sid, 0, "tiny", {"rank": 4}, None))
+        assert plane.scheduler is None and tc._exec.gate is None  # `dsv4flash serve --scheduler lock`
+        datum = core.types.Datum(core.types.ModelInput.from_ints(PROBE[:-1]),
+                                 {"target_tokens": PROBE[1:], "weights": [1.0] * (len(PROBE) - 1)})
+        assert np.isfinite(tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+    finally:
+        plane.close()
