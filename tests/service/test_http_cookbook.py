@@ -97,3 +97,17 @@ def test_cookbook_rl_train_main_runs_against_the_server(cookbook_env, tmp_path):
     final = _final_checkpoint(log_path)
     run = rest_client(cookbook_env).get_training_run_by_tinker_path(final["state_path"]).result()
     assert run.base_model == "tiny" and run.lora_rank == 4
+
+
+def test_sdk_sampling_client_tokenizer_loads_offline_by_the_served_base_name(cookbook_env):
+    from dsv4flash.tasks import TaskTokenizer
+    from tests.service.http_server import service_client
+
+    base = _served_base_dir(cookbook_env)
+    with service_client(cookbook_env) as sdk:
+        tc = sdk.create_lora_training_client(base_model=base, rank=4).result()
+        text = "q : 3 + 4 = ? a : 7"
+        for name, sampler in (("base", sdk.create_sampling_client(base_model=base).result()),
+                              ("snapshot", tc.save_weights_and_get_sampling_client().result())):
+            assert sampler.get_base_model() == base, name  # get_info answers with the name the run used
+            assert sampler.get_tokenizer().encode(text, add_special_tokens=False) == TaskTokenizer("tiny").encode(text)

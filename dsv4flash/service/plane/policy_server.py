@@ -81,6 +81,7 @@ class PolicyServer:
         self.rest = service.create_rest_client()
         self._sessions: dict[str, Session] = {}
         self._models: dict[str, Any] = {}  # run id -> core TrainingClient
+        self._base_names: dict[str, str] = {}  # run id -> the base_model name its client created it with
         self._samplers: dict[str, Sampler] = {}  # insertion order = age (oldest first)
         self._by_path: dict[str | None, Any] = {}  # stateless asample: checkpoint path -> SamplingClient
         self.max_samplers = int(max_samplers)
@@ -189,6 +190,10 @@ class PolicyServer:
         raise BadRequest(f"base_model: {base_model!r} is not served here (the resident base is {name!r}, also "
                          f"reachable as its directory {self.tokenizer_dir!r})")
 
+    def base_name_of(self, model_id: str) -> str:
+        """The base model name a run's client used (the resident base's own name for resumed runs)."""
+        return self._base_names.get(run_id_of(model_id), self.service.base.base_model)
+
     # ---- runs ----
     def model(self, tenant: str, model_id: str):
         """The tenant's live core TrainingClient for a model id."""
@@ -212,6 +217,7 @@ class PolicyServer:
         model_id = f"{session_id}:train:{int(model_seq_id)}"
         run = run_id_of(model_id)
         self.owners.claim(run, tenant)
+        self._base_names[run] = base_model  # get_info answers with it (the SDK derives samplers' tokenizers)
         tc = self.service.create_lora_training_client(self.resolve_base(base_model), user_metadata=user_metadata, run_id=run, **lora)
         self._schedule(tc, run)
         with self._lock:

@@ -47,11 +47,11 @@ async def get_info(request: Request) -> Response:
     tc = plane.model(tenant, req.model_id)
     t = tinker_types()
     base = plane.service.base
+    name = plane.base_name_of(req.model_id)  # as the client named the base: the SDK's samplers load it by name
     return model_json(t.GetInfoResponse(
         type="get_info", model_id=req.model_id, is_lora=True, lora_rank=int(tc.placement.rank),
-        model_name=base.base_model,
-        model_data=t.ModelData(arch=str(base.cfg.model_type), model_name=base.base_model,
-                               tokenizer_id=plane.tokenizer_dir)))
+        model_name=name,
+        model_data=t.ModelData(arch=str(base.cfg.model_type), model_name=name, tokenizer_id=plane.tokenizer_dir)))
 
 
 async def _fwd_body(request: Request, input_key: str):
