@@ -58,6 +58,12 @@ pipi --no-deps --ignore-requires-python "megatron-core==0.19.2" "megatron-bridge
 
 echo "[install] dsv4flash serve: the real tinker SDK 0.38.0 (its deps are CPU-only; torch/transformers stay pinned)"
 pipi "tinker==0.38.0" "starlette>=0.40" "uvicorn>=0.30" "zstandard>=0.24" "tokenizers>=0.22,<=0.23.0"
+# tinker-cookbook 0.6.1 (its supervised/RL train.main run against the server in tests): its requirements, then the
+# wheel --no-deps, because it asks for tml-renderers>=0.4.1, which only its Inkling/Kimi renderers import (lazily)
+# and which the index may not carry.
+pipi aiohttp anyio "blobfile>=3" "chz>=0.4" cloudpickle "datasets>=2.14" huggingface-hub pillow "pyrage>=1.4" rich \
+  safetensors termcolor "tiktoken>=0.12" tqdm
+pipi --no-deps "tinker-cookbook==0.6.1"
 # MinT's client pins tinker 0.22.0: it goes to its own target directory (tests put it first on PYTHONPATH), with
 # --no-deps because every dependency of tinker 0.22 is already in this environment.
 python -m pip install --disable-pip-version-check -q --no-deps --upgrade --target "$root/.sdk/mint" \

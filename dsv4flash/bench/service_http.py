@@ -3,7 +3,9 @@
 latency: per-call p50/p99 of `forward_backward`+`optim_step` and of `sample` through HTTP and in-process on the
 same work; the floor of the HTTP figure is the in-process time plus one loopback round trip per HTTP exchange
 (submit + retrieve for each future). grpo: 3 GRPO clients (each its own `ServiceClient`, reward function that
-sleeps) run concurrently through the server vs one after another (MinT: 1.77×).
+sleeps) run concurrently through the server (its `PhaseScheduler`) vs one after another (MinT: 1.77×), and
+concurrently through a second server started with `--scheduler lock` (the base lock alone), side by side.
+The machine's load average is reported with the figures: on a shared machine it moves them more than anything.
 """
 
 from __future__ import annotations
@@ -140,14 +142,8 @@ def _grpo_client(url: str, name: str, seed: int, steps: int, latency: float, pha
     phases[name] = score
 
 
-def _grpo(url: str, rep: BenchReport, steps: int, latency: float, progress) -> dict:
-    task = progress.add_task("GRPO: sequential, then 3 concurrent clients", total=2)
-    seq_phases: dict = {}
-    t0 = time.perf_counter()
-    for i in range(3):
-        _grpo_client(url, f"seq{i}", i, steps, latency, seq_phases)
-    seq = time.perf_counter() - t0
-    progress.advance(task)
+def _concurrent(url: str, steps: int, latency: float) -> float:
+    """Makespan of 3 GRPO clients at once."""
     con_phases: dict = {}
     threads = [threading.Thread(target=_grpo_client, args=(url, f"con{i}", i, steps, latency, con_phases))
                for i in range(3)]
@@ -156,10 +152,27 @@ def _grpo(url: str, rep: BenchReport, steps: int, latency: float, progress) -> d
         th.start()
     for th in threads:
         th.join()
-    con = time.perf_counter() - t0
-    progress.advance(task)
     if len(con_phases) != 3:
         raise RuntimeError("a concurrent GRPO client failed (see its traceback above)")
+    return time.perf_counter() - t0
+
+
+def _grpo(url: str, lock_url: str, rep: BenchReport, steps: int, latency: float, progress) -> dict:
+    import os
+
+    task = progress.add_task("GRPO: sequential, 3 concurrent clients (phase scheduler, base lock)", total=3)
+    load0 = os.getloadavg()[0]
+    seq_phases: dict = {}
+    t0 = time.perf_counter()
+    for i in range(3):
+        _grpo_client(url, f"seq{i}", i, steps, latency, seq_phases)
+    seq = time.perf_counter() - t0
+    progress.advance(task)
+    con = _concurrent(url, steps, latency)
+    progress.advance(task)
+    con_lock = _concurrent(lock_url, steps, latency)
+    progress.advance(task)
+    load1 = os.getloadavg()[0]
     scoring = sum(seq_phases.values())
     bound = max(seq - scoring, seq / 3)
     rep.add("grpo_http_sequential_makespan", seq, "s", note=f"3 clients x {steps} steps, one after another; "
@@ -167,11 +180,15 @@ def _grpo(url: str, rep: BenchReport, steps: int, latency: float, progress) -> d
     rep.add("grpo_http_concurrent_bound", bound, "s", note="max(sequential minus scoring, one client's makespan); "
             "client-side work overlaps too, so not a hard floor")
     rep.add("grpo_http_concurrent_makespan", con, "s", baseline="grpo_http_sequential_makespan",
-            limit="grpo_http_concurrent_bound", note="3 SDK clients at once through one server")
+            limit="grpo_http_concurrent_bound", note="3 SDK clients at once through one server (PhaseScheduler)")
+    rep.add("grpo_http_concurrent_lock_makespan", con_lock, "s", baseline="grpo_http_sequential_makespan",
+            limit="grpo_http_concurrent_bound", note="same, second server with --scheduler lock (base lock only)")
+    rep.add("load_average_1min", (load0 + load1) / 2, "", note=f"machine load: {load0:.1f} at start, {load1:.1f} "
+            f"at end of the GRPO part (2 cores shared: above ~2, other jobs take CPU from the runs)")
     ratio = seq / con
     rep.target(f"3 concurrent GRPO clients through the server {ratio:.2f}x faster than sequential "
                f"(MinT: {MINT_GRPO}x)", ratio >= MINT_GRPO)
-    return {"makespan": (seq, con), "bound": bound}
+    return {"makespan": (seq, con, con_lock), "bound": bound}
 
 
 def run(args: argparse.Namespace) -> BenchReport:
@@ -189,7 +206,9 @@ def run(args: argparse.Namespace) -> BenchReport:
         if args.part in ("all", "latency"):
             lat = _latency(server.url, rep, args.calls, progress)
         if args.part in ("all", "grpo"):
-            grpo = _grpo(server.url, rep, args.grpo_steps, args.reward_latency, progress)
+            with ServerProcess(root / "store-lock", root / "keys", poll_s=30.0,
+                               args=("--scheduler", "lock")) as lock_server:
+                grpo = _grpo(server.url, lock_server.url, rep, args.grpo_steps, args.reward_latency, progress)
     if args.plot:
         _plot(lat, grpo, args.plot, rep.title)
     return rep
@@ -200,7 +219,9 @@ def _plot(lat, grpo, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    panels = [p for p in (lat, grpo) if p]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5)) if len(panels) == 2 else plt.subplots(1, 1, figsize=(5.5, 3.5))
+    axes = list(axes) if len(panels) == 2 else ([axes, None] if lat else [None, axes])
     if lat:
         names = ["step_local", "step_http", "sample_local", "sample_http"]
         x = np.arange(len(names))
@@ -210,7 +231,8 @@ def _plot(lat, grpo, path: str, title: str) -> None:
         axes[0].set_ylabel("ms per call")
         axes[0].legend()
     if grpo:
-        axes[1].bar(["sequential", "concurrent", "bound"], [*grpo["makespan"], grpo["bound"]], color=["C0", "C1", "k"])
+        axes[1].bar(["sequential", "concurrent\n(phase)", "concurrent\n(lock)", "bound"],
+                    [*grpo["makespan"], grpo["bound"]], color=["C0", "C1", "C2", "k"])
         axes[1].set_ylabel("GRPO makespan (s)")
     fig.suptitle(title)
     fig.tight_layout()

@@ -4,6 +4,7 @@ submission order on its own worker thread (the resident base serialises compute 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from concurrent.futures import Future
@@ -50,6 +51,8 @@ class OrderedExecutor:
     def __init__(self, name: str, idle_s: float = 30.0) -> None:
         self.name = name
         self.idle_s = float(idle_s)
+        # gate(fn) -> a context manager held while fn runs (a scheduler's turn on the resident base); None: no gate
+        self.gate: Callable[[Callable[..., Any]], Any] | None = None
         self._queue: queue.Queue = queue.Queue()
         self._seq = 0
         self._lock = threading.Lock()
@@ -80,6 +83,9 @@ class OrderedExecutor:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                fut.set_result(fn(*args, **kwargs))
+                with self.gate(fn) if self.gate is not None else contextlib.nullcontext():
+                    result = fn(*args, **kwargs)
             except BaseException as exc:  # the caller sees it from .result()
                 fut.set_exception(exc)
+            else:
+                fut.set_result(result)  # after the gate: done callbacks never run holding the base

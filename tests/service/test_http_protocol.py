@@ -5,6 +5,7 @@ losses, and the REST surface for runs and checkpoints."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -52,8 +53,10 @@ def test_health_is_the_only_unauthenticated_endpoint(server):
 
 def test_capabilities(server):
     caps = rest_client(server).get_server_capabilities().result()
-    assert [m.model_name for m in caps.supported_models] == ["tiny"]
-    assert caps.supported_models[0].trainable and caps.supported_models[0].sampleable
+    names = [m.model_name for m in caps.supported_models]
+    # the base by name, and by the HF directory served for it (a model name tinker-cookbook can load locally)
+    assert names[0] == "tiny" and len(names) == 2 and (Path(names[1]) / "tokenizer.json").is_file()
+    assert all(m.trainable and m.sampleable for m in caps.supported_models)
 
 
 def test_get_info_tokenizer_loads_offline(trained, monkeypatch):

@@ -51,6 +51,10 @@ class SamplingClient:
         self._exec = OrderedExecutor(f"sampler-{name}-{next(_ids)}")
         self._calls = 0
 
+    def schedule_with(self, scheduler, policy: str) -> None:
+        """Run each of this client's calls as one rollout turn of `scheduler` (a `PhaseScheduler`)."""
+        self._exec.gate = lambda fn: scheduler.turn(policy, "rollout")
+
     def get_base_model(self) -> str:
         """The base this client samples from."""
         return self.service.base.base_model

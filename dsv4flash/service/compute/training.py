@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 from typing import Any
@@ -92,6 +93,13 @@ class TrainingClient:
         if name is not None:
             self.save_weights_for_sampler(name).result()
         return self.snapshot_sampling_client().result()
+
+    def schedule_with(self, scheduler, policy: str) -> None:
+        """Run each compute call of this client as one update turn of `scheduler` (a `PhaseScheduler`; how
+        `dsv4flash serve` shares the base). Snapshots and saves take no turn: they copy or write this run's own
+        adapter and never touch the base, so another policy's compute may run meanwhile."""
+        off_base = (self._snapshot_sampler, self._save)
+        self._exec.gate = lambda fn: contextlib.nullcontext() if fn in off_base else scheduler.turn(policy, "update")
 
     def run_ordered(self, fn, *args) -> APIFuture:
         """`fn(self, *args)` on this client's worker, in submission order with its other calls (extensions)."""

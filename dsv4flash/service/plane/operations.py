@@ -84,6 +84,13 @@ class OperationTable:
             raise UnknownOperation(request_id)
         return op
 
+    def forget(self, request_id: str, tenant: str) -> None:
+        """Drop a finished operation whose result its client has fetched (retrieve_futures acks); else no-op."""
+        with self._lock:
+            op = self._ops.get(request_id)
+            if op is not None and op.tenant == tenant and op.finished is not None:
+                del self._ops[request_id]
+
     def pending(self, tenant: str) -> int:
         """Unfinished operations of a tenant."""
         with self._lock:

@@ -10,12 +10,14 @@ another tenant is answered exactly like something that does not exist (`NotFound
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from dsv4flash.service.compute.scheduler import PhaseScheduler
 from dsv4flash.service.plane.operations import OperationTable
 from dsv4flash.service.plane.owners import RunOwners
 from dsv4flash.service.types import ParsedCheckpointTinkerPath
@@ -44,6 +46,7 @@ class Session:
     last_seen: float = field(default_factory=time.time)
     finished: bool = False
     sampler_clones: int = 0
+    custom_losses: dict = field(default_factory=dict)  # loss id -> CustomLoss (create_custom_loss)
 
 
 @dataclass
@@ -56,13 +59,21 @@ class Sampler:
     model_path: str | None
     session_id: str
     clones: int = 0
+    completions: dict = field(default_factory=dict)  # clone number -> CompletionQueue (retrieve_futures)
+
+    def completion_queue(self, clone: int):
+        """The completion queue of one clone of this sampling session (created on first use)."""
+        from dsv4flash.service.plane.completions import CompletionQueue
+
+        return self.completions.setdefault(int(clone), CompletionQueue())
 
 
 class PolicyServer:
     """Tenant-checked, queued access to one `ServiceClient` (resident base + adapter store)."""
 
     def __init__(self, service, *, tokenizer_dir: str | None = None, max_pending: int = 64,
-                 keep_s: float = 3600.0, max_samplers: int = 32, session_timeout_s: float = 600.0) -> None:
+                 keep_s: float = 3600.0, max_samplers: int = 32, session_timeout_s: float = 600.0,
+                 phase_scheduler: bool = True) -> None:
         self.service = service
         self.tokenizer_dir = tokenizer_dir
         self.owners = RunOwners(service.root)
@@ -70,12 +81,17 @@ class PolicyServer:
         self.rest = service.create_rest_client()
         self._sessions: dict[str, Session] = {}
         self._models: dict[str, Any] = {}  # run id -> core TrainingClient
+        self._base_names: dict[str, str] = {}  # run id -> the base_model name its client created it with
         self._samplers: dict[str, Sampler] = {}  # insertion order = age (oldest first)
         self._by_path: dict[str | None, Any] = {}  # stateless asample: checkpoint path -> SamplingClient
         self.max_samplers = int(max_samplers)
         self.session_timeout_s = float(session_timeout_s)
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dsv4flash-plane")
+        # The compute plane's scheduler, the same one the in-process concurrent GRPO uses: every core call of
+        # every tenant takes one turn on the resident base, sampling (rollouts) before training (updates).
+        # Without it (phase_scheduler=False) calls meet only at the base lock, in arrival order.
+        self.scheduler = PhaseScheduler() if phase_scheduler else None
 
     # ---- sessions ----
     def create_session(self, tenant: str, user_metadata: dict | None) -> str:
@@ -122,6 +138,25 @@ class PolicyServer:
             for sid in [k for k, v in self._samplers.items() if v.session_id == session_id]:
                 del self._samplers[sid]
 
+    # ---- server-side custom losses ----
+    def add_custom_loss(self, tenant: str, session_id: str, seq_id: int, loss) -> str:
+        """Keep a validated custom loss for the session -> its loss id (usable by that session's models)."""
+        s = self.session(tenant, session_id)
+        loss_id = f"{session_id}:loss:{int(seq_id)}"
+        s.custom_losses[loss_id] = loss
+        return loss_id
+
+    def custom_loss(self, tenant: str, model_id: str, loss_id) -> Any:
+        """The custom loss `loss_id` of the session that owns `model_id` (BadRequest naming the field)."""
+        if not isinstance(loss_id, str) or not loss_id:
+            raise BadRequest("loss_fn_config.loss_id: required for loss_fn 'custom' (a create_custom_loss id)")
+        with self._lock:
+            s = self._sessions.get(model_id.split(":", 1)[0])
+        loss = None if s is None or s.tenant != tenant else s.custom_losses.get(loss_id)
+        if loss is None:
+            raise BadRequest(f"loss_fn_config.loss_id: {loss_id!r} is not a custom loss of this model's session")
+        return loss
+
     # ---- operations ----
     def submit(self, tenant: str, kind: str, start: Callable[[], Any], encode: Callable[[Any], Any]) -> str:
         """Admit one request to the tenant's queue and start it -> its request id.
@@ -141,6 +176,23 @@ class PolicyServer:
     def in_pool(self, fn: Callable[..., Any], *args, **kwargs) -> concurrent.futures.Future:
         """Run a synchronous core call on the plane's worker pool."""
         return self._pool.submit(fn, *args, **kwargs)
+
+    # ---- the resident base ----
+    def resolve_base(self, base_model: str) -> str:
+        """The resident base's name for `base_model`: its own name, or the Hugging Face directory this server
+        serves for it (`tokenizer_id`), so tools that load a tokenizer by model name (tinker-cookbook's
+        `get_tokenizer(model_name)`) find it on disk; BadRequest naming the field otherwise."""
+        name = self.service.base.base_model
+        if base_model == name:
+            return name
+        if self.tokenizer_dir is not None and os.path.realpath(str(base_model)) == os.path.realpath(self.tokenizer_dir):
+            return name
+        raise BadRequest(f"base_model: {base_model!r} is not served here (the resident base is {name!r}, also "
+                         f"reachable as its directory {self.tokenizer_dir!r})")
+
+    def base_name_of(self, model_id: str) -> str:
+        """The base model name a run's client used (the resident base's own name for resumed runs)."""
+        return self._base_names.get(run_id_of(model_id), self.service.base.base_model)
 
     # ---- runs ----
     def model(self, tenant: str, model_id: str):
@@ -165,7 +217,9 @@ class PolicyServer:
         model_id = f"{session_id}:train:{int(model_seq_id)}"
         run = run_id_of(model_id)
         self.owners.claim(run, tenant)
-        tc = self.service.create_lora_training_client(base_model, user_metadata=user_metadata, run_id=run, **lora)
+        self._base_names[run] = base_model  # get_info answers with it (the SDK derives samplers' tokenizers)
+        tc = self.service.create_lora_training_client(self.resolve_base(base_model), user_metadata=user_metadata, run_id=run, **lora)
+        self._schedule(tc, run)
         with self._lock:
             self._models[run] = tc
         return model_id
@@ -181,6 +235,7 @@ class PolicyServer:
         make = (self.service.create_training_client_from_state_with_optimizer if with_optimizer
                 else self.service.create_training_client_from_state)
         tc = make(path, user_metadata, run_id=run)
+        self._schedule(tc, run)
         with self._lock:
             self._models[run] = tc
         return path, model_id
@@ -225,9 +280,8 @@ class PolicyServer:
         self.session(tenant, session_id)
         if model_path is not None:
             self.require_readable(tenant, model_path)
-        elif base_model is not None and base_model != self.service.base.base_model:
-            raise BadRequest(f"base_model: {base_model!r} is not served here (the resident base is "
-                             f"{self.service.base.base_model!r})")
+        elif base_model is not None:
+            self.resolve_base(base_model)
         client = self.service.create_sampling_client(model_path=model_path)
         return self.add_sampler(tenant, session_id, client, model_path)
 
@@ -238,6 +292,7 @@ class PolicyServer:
         oldest (an RL loop makes one per step with `save_weights_and_get_sampling_client`; old ones answer 404).
         """
         sid = f"sampler-{secrets.token_hex(6)}"
+        self._schedule(client, model_path or sid)
         with self._lock:
             mine = [k for k, v in self._samplers.items() if v.tenant == tenant]
             for old in mine[:max(0, len(mine) - self.max_samplers + 1)]:
@@ -252,6 +307,7 @@ class PolicyServer:
             client = self._by_path.pop(model_path, None)
         if client is None:
             client = self.service.create_sampling_client(model_path=model_path)
+            self._schedule(client, model_path or "base")
         with self._lock:
             self._by_path[model_path] = client  # most recent last
             while len(self._by_path) > self.max_samplers:
@@ -294,6 +350,10 @@ class PolicyServer:
 
     def _exists(self, run: str) -> bool:
         return run in set(self.service.store.catalog.list_policies())
+
+    def _schedule(self, client, policy: str) -> None:
+        if self.scheduler is not None:
+            client.schedule_with(self.scheduler, policy)
 
     def close(self) -> None:
         """Stop the worker pool (queued core work still finishes on its own threads)."""

@@ -1,5 +1,6 @@
 """Futures of the Tinker protocol: retrieve_future (long poll; result, try_again / 408 with queue state, 410,
-or a failed request's error) and cancel_future."""
+or a failed request's error), retrieve_futures (a sampling session's completion queue, long-polled by the
+SDK's session poller) and cancel_future."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dsv4flash.service.protocol import convert, wire
-from dsv4flash.service.protocol.http import error_response, guarded, parse, plane_of, tenant_of, tinker_types
+from dsv4flash.service.protocol.http import (error_response, guarded, model_json, parse, plane_of, tenant_of,
+                                             tinker_types)
 
 
 async def retrieve_future(request: Request) -> Response:
@@ -50,6 +52,24 @@ async def retrieve_future(request: Request) -> Response:
     return JSONResponse(out)
 
 
+async def retrieve_futures(request: Request) -> Response:
+    tenant = tenant_of(request)
+    t = tinker_types()
+    req = await parse(request, t.FuturesRetrieveRequest)
+    plane = plane_of(request)
+    queue = plane.sampler(tenant, req.target.sampling_session_id).completion_queue(req.target.cloned_sampler_id)
+    for rid in req.retrieved_request_ids:  # fetched by the client: their payloads may go
+        plane.ops.forget(rid, tenant)
+    completions, cursor = queue.poll(req.prev_cursor)
+    timeout = request.app.state.poll_s if req.timeout is None else min(float(req.timeout), request.app.state.poll_s)
+    if not completions and timeout > 0:
+        await queue.wait(req.prev_cursor, timeout)
+        completions, cursor = queue.poll(req.prev_cursor)
+    return model_json(t.FuturesRetrieveResponse(cursor=cursor, completions=[
+        t.FutureFailed(request_id=rid) if failed else t.FutureFinished(request_id=rid)
+        for rid, failed in completions]))
+
+
 async def cancel_future(request: Request) -> Response:
     tenant = tenant_of(request)
     req = await parse(request, tinker_types().FutureRetrieveRequest)
@@ -62,5 +82,6 @@ async def cancel_future(request: Request) -> Response:
 
 ROUTES = [
     Route("/api/v1/retrieve_future", guarded(retrieve_future), methods=["POST"]),
+    Route("/api/v1/retrieve_futures", guarded(retrieve_futures), methods=["POST"]),
     Route("/api/v1/cancel_future", guarded(cancel_future), methods=["POST"]),
 ]

@@ -37,6 +37,8 @@ async def get_sampler(request: Request) -> Response:
         sampler_id=s.sampler_id, base_model=plane.service.base.base_model, model_path=s.model_path))
 
 
+CLONE_SEQ_STRIDE = 1_000_000_000  # the SDK numbers clone k's requests from k * 1e9 (cloned_sampler_id)
+
 _UNSUPPORTED_SAMPLE = {"topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "target_prompt_logprobs": None,
                        "prompt_alt_tokens_k": 0, "prompt_logprobs_last_n": None}
 
@@ -48,8 +50,10 @@ async def asample(request: Request) -> Response:
     for name, default in _UNSUPPORTED_SAMPLE.items():
         if getattr(req, name) != default:
             raise BadRequest(f"{name}: not supported by this server (leave it at {default!r})")
+    session = None
     if req.sampling_session_id is not None:
-        client = plane.sampler(tenant, req.sampling_session_id).client
+        session = plane.sampler(tenant, req.sampling_session_id)
+        client = session.client
     else:  # stateless: a checkpoint path, or the bare base
         if req.model_path is not None:
             plane.require_readable(tenant, req.model_path)
@@ -63,6 +67,8 @@ async def asample(request: Request) -> Response:
     rid = plane.submit(tenant, "sample", lambda: client.sample(ModelInput.from_ints(prompt), req.num_samples, params,
                                                                include_prompt_logprobs=bool(req.prompt_logprobs)),
                        convert.sample_result)
+    if session is not None:  # the SDK's session poller (retrieve_futures) learns of it from its clone's queue
+        session.completion_queue((req.seq_id or 0) // CLONE_SEQ_STRIDE).watch(rid, plane.ops.get(rid, tenant).future)
     return future_response(rid, sample_sequence_ids=[f"{rid}:{i}" for i in range(req.num_samples)])
 
 

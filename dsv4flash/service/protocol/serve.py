@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-samplers", type=int, default=32, help="live sampling sessions kept per tenant")
     parser.add_argument("--session-timeout-s", type=float, default=600.0,
                         help="finish a session silent this long (no heartbeat): its models leave memory")
+    parser.add_argument("--scheduler", default="phase", choices=["phase", "lock"],
+                        help="how calls share the base: phase = PhaseScheduler turns, rollouts first (default); "
+                             "lock = the base lock alone, in arrival order (the baseline the bench compares)")
     parser.add_argument("--poll-s", type=float, default=5.0, help="long-poll time of retrieve_future in seconds")
     parser.add_argument("--port-file", type=Path, default=None, help="write the bound port here once listening")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
@@ -92,12 +95,13 @@ def run(args: argparse.Namespace) -> int:
     return serve(store, keys, base_name=base_name, base_dir=base_dir, host=args.host, port=args.port,
                  max_body=int(args.max_request_mb * (1 << 20)), max_pending=args.max_pending, poll_s=args.poll_s,
                  max_samplers=args.max_samplers, session_timeout_s=args.session_timeout_s,
-                 port_file=args.port_file, log_level=args.log_level)
+                 port_file=args.port_file, log_level=args.log_level, scheduler=args.scheduler)
 
 
 def serve(store: Path, keys, *, base_name: str = "tiny", base_dir=None, host: str = "127.0.0.1", port: int = 8000,
           max_body: int = 64 << 20, max_pending: int = 64, poll_s: float = 5.0, port_file: Path | None = None,
-          log_level: str = "warning", max_samplers: int = 32, session_timeout_s: float = 600.0) -> int:
+          log_level: str = "warning", max_samplers: int = 32, session_timeout_s: float = 600.0,
+          scheduler: str = "phase") -> int:
     """Build the service core and its HTTP front, bind, and run uvicorn until stopped."""
     import uvicorn
 
@@ -111,7 +115,8 @@ def serve(store: Path, keys, *, base_name: str = "tiny", base_dir=None, host: st
     service = ServiceClient(base_name, root=store, base_dir=base_dir)
     tok_dir = ensure_hf_tokenizer_dir(store / "service" / "hf_tokenizer", service.get_tokenizer())
     plane = PolicyServer(service, tokenizer_dir=str(tok_dir.resolve()), max_pending=max_pending,
-                         max_samplers=max_samplers, session_timeout_s=session_timeout_s)
+                         max_samplers=max_samplers, session_timeout_s=session_timeout_s,
+                         phase_scheduler=scheduler == "phase")
     app = build_app(plane, keys, max_body=max_body, poll_s=poll_s)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -17,10 +17,11 @@ async def healthz(request: Request) -> Response:
 async def client_config(request: Request) -> Response:
     tenant_of(request)
     # Key -> JWT exchange (what lets MinT's sk- keys through its patched auth); httpx transport; chunks in
-    # order; zstd-compressed protobuf bodies.
+    # order; zstd-compressed protobuf bodies; one retrieve_futures poller per sampling session; custom losses
+    # uploaded and run here.
     return model_json(tinker_types().ClientConfigResponse(
         pjwt_auth_enabled=True, use_pyqwest_transport=False, parallel_fwdbwd_chunks=False,
-        proto_compress_fwdbwd=True))
+        proto_compress_fwdbwd=True, sample_use_retrieve_futures=True, custom_loss_server_side=True))
 
 
 async def auth_token(request: Request) -> Response:
@@ -59,9 +60,11 @@ async def capabilities(request: Request) -> Response:
     tenant_of(request)
     t = tinker_types()
     base = plane_of(request).service.base
+    plane = plane_of(request)
+    names = [base.base_model] + ([plane.tokenizer_dir] if plane.tokenizer_dir else [])  # same base, two names
     return model_json(t.GetServerCapabilitiesResponse(supported_models=[t.SupportedModel(
-        model_name=base.base_model, max_context_length=int(base.cfg.text.max_position_embeddings),
-        trainable=True, sampleable=True)]))
+        model_name=name, max_context_length=int(base.cfg.text.max_position_embeddings),
+        trainable=True, sampleable=True) for name in names]))
 
 
 async def telemetry(request: Request) -> Response:

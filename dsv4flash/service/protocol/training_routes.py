@@ -1,7 +1,10 @@
 """Training of the Tinker protocol: create_model, get_info, forward / forward_backward (the SDK's protobuf/zstd
-bodies, or older SDKs' JSON), optim_step, save_weights, save_weights_for_sampler, load_weights."""
+bodies, or older SDKs' JSON), server-side custom losses (create_custom_loss, loss_fn "custom"), optim_step,
+save_weights, save_weights_for_sampler, load_weights."""
 
 from __future__ import annotations
+
+import concurrent.futures
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -28,9 +31,7 @@ async def create_model(request: Request) -> Response:
     req = await parse(request, tinker_types().CreateModelRequest)
     plane = plane_of(request)
     plane.session(tenant, req.session_id)
-    if req.base_model != plane.service.base.base_model:
-        raise BadRequest(f"base_model: {req.base_model!r} is not served here (the resident base is "
-                         f"{plane.service.base.base_model!r})")
+    plane.resolve_base(req.base_model)
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
     rid = plane.submit(tenant, "create_model",
                        lambda: plane.in_pool(plane.create_model, tenant, req.session_id, req.model_seq_id,
@@ -46,11 +47,11 @@ async def get_info(request: Request) -> Response:
     tc = plane.model(tenant, req.model_id)
     t = tinker_types()
     base = plane.service.base
+    name = plane.base_name_of(req.model_id)  # as the client named the base: the SDK's samplers load it by name
     return model_json(t.GetInfoResponse(
         type="get_info", model_id=req.model_id, is_lora=True, lora_rank=int(tc.placement.rank),
-        model_name=base.base_model,
-        model_data=t.ModelData(arch=str(base.cfg.model_type), model_name=base.base_model,
-                               tokenizer_id=plane.tokenizer_dir)))
+        model_name=name,
+        model_data=t.ModelData(arch=str(base.cfg.model_type), model_name=name, tokenizer_id=plane.tokenizer_dir)))
 
 
 async def _fwd_body(request: Request, input_key: str):
@@ -83,10 +84,33 @@ async def _run_forward(request: Request, input_key: str) -> Response:
     plane = plane_of(request)
     model_id, forward_only, loss_fn, config, data = await _fwd_body(request, input_key)
     tc = plane.model(tenant, model_id)
+    if loss_fn == "custom":  # a loss uploaded with create_custom_loss, run here on live log-probs
+        if forward_only:
+            raise BadRequest("loss_fn: 'custom' needs forward_backward (forward has no custom-loss form)")
+        loss = plane.custom_loss(tenant, model_id, (config or {}).get("loss_id"))
+        loss.check_data(data)
+        rid = plane.submit(tenant, "forward_backward", lambda: tc.forward_backward_custom(data, loss),
+                           convert.forward_backward_result)
+        return future_response(rid, model_id=model_id)
     call = tc.forward if forward_only else tc.forward_backward
     rid = plane.submit(tenant, "forward" if forward_only else "forward_backward",
                        lambda: call(data, loss_fn, config or None), convert.forward_backward_result)
     return future_response(rid, model_id=model_id)
+
+
+async def create_custom_loss(request: Request) -> Response:
+    tenant = tenant_of(request)
+    req = await parse(request, tinker_types().CreateCustomLossRequest)
+    plane = plane_of(request)
+    from dsv4flash.service.compute.custom_loss import build_custom_loss
+
+    loss = build_custom_loss(req.name, req.inputs, req.graph)  # every node checked before it can run
+    loss_id = plane.add_custom_loss(tenant, req.session_id, req.custom_loss_seq_id, loss)
+    done = concurrent.futures.Future()
+    done.set_result(loss_id)
+    rid = plane.submit(tenant, "create_custom_loss", lambda: done,
+                       json_result(lambda lid: tinker_types().CreateCustomLossResponse(loss_id=lid)))
+    return future_response(rid)
 
 
 async def optim_step(request: Request) -> Response:
@@ -162,6 +186,7 @@ ROUTES = [
     Route("/api/v1/get_info", guarded(get_info), methods=["POST"]),
     Route("/api/v1/forward_backward", guarded(forward_backward), methods=["POST"]),
     Route("/api/v1/forward", guarded(forward), methods=["POST"]),
+    Route("/api/v1/create_custom_loss", guarded(create_custom_loss), methods=["POST"]),
     Route("/api/v1/optim_step", guarded(optim_step), methods=["POST"]),
     Route("/api/v1/save_weights", guarded(save_weights), methods=["POST"]),
     Route("/api/v1/save_weights_for_sampler", guarded(save_weights_for_sampler), methods=["POST"]),
