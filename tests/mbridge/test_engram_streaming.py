@@ -107,3 +107,22 @@ def test_save_release_refuses_chunks_out_of_order_or_short(mbridge, release, tmp
     with pytest.raises(ConvertError, match=f"{ENGRAM}: exported twice"):
         mbridge.save_release([(ENGRAM, table), (ENGRAM, RowChunk(table[:8], 0, rows))], release, tmp_path / "c")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+def test_host_tables_import_through_megatron_bridges_row_reads(mbridge, mcore, release, monkeypatch):
+    """With DSV41-MBRIDGE-003 applied (`register()`), `_fill_table` reads rows via `StateDict.load_rows`, which
+    reaches `ReleaseStateSource.load_rows` (positioned reads), one call per chunk of the weight and its scale."""
+    from dsv4flash.integrations.mbridge.bridge import DSV41Bridge
+    from dsv4flash.integrations.mbridge.checkpoint import ReleaseStateSource
+
+    with CheckpointReader(release) as ckpt:
+        rows = ckpt.info(ENGRAM).rows
+    step = rows // 3 + 1
+    monkeypatch.setattr(DSV41Bridge, "engram_rows_per_chunk", step)
+    calls, stock = [], ReleaseStateSource.load_rows
+    monkeypatch.setattr(ReleaseStateSource, "load_rows",
+                        lambda self, key, start, stop: calls.append((key, start, stop)) or stock(self, key, start, stop))
+    build(mbridge, release, torch.float8_e4m3fn)
+    want = [(start, min(rows, start + step)) for start in range(0, rows, step)]
+    assert [(a, b) for key, a, b in calls if key == ENGRAM] == want
+    assert [(a, b) for key, a, b in calls if key == scale_name(ENGRAM)] == want

@@ -212,9 +212,22 @@ def _reader(hf_state_dict):
 
 
 def _read_rows(hf_state_dict, name: str, r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of a checkpoint tensor, read in place when the source can (no whole-tensor read)."""
+    """Rows [r0, r1) of a checkpoint tensor, read in place when the source can (no whole-tensor read):
+    Megatron-Bridge's `StateDict.load_rows` where it exists (DSV41-MBRIDGE-003, patched or its twin)."""
+    load_rows = getattr(hf_state_dict, "load_rows", None)
+    if load_rows is not None:
+        return load_rows(name, r0, r1)
     reader = _reader(hf_state_dict)
     return reader.read_rows(name, r0, r1) if reader is not None else hf_state_dict[name][r0:r1]
+
+
+def _rows(hf_state_dict, name: str) -> int:
+    """Row count of a checkpoint tensor, from the header when the source can tell without reading."""
+    get_shape = getattr(hf_state_dict, "get_shape", None)
+    if get_shape is not None:
+        return get_shape(name)[0]
+    reader = _reader(hf_state_dict)
+    return reader.info(name).rows if reader is not None else hf_state_dict[name].shape[0]
 
 
 def _row_views(name: str, tensor: torch.Tensor, rows_per_chunk: int, dtype: Optional[torch.dtype] = None
@@ -232,9 +245,8 @@ def _fill_table(table, name: str, hf_state_dict, rows_per_chunk: int = 1 << 16) 
     copied as stored into an FP8 table, decoded into a float one. A table another rank fills is skipped."""
     if table.skip_load:
         return
-    reader = _reader(hf_state_dict)
     scale = scale_name(name)
-    total = reader.info(name).rows if reader is not None else hf_state_dict[name].shape[0]
+    total = _rows(hf_state_dict, name)
     if total != table.weight.shape[0]:
         raise ValueError(f"{name}: {total} rows in the checkpoint, the host table has {table.weight.shape[0]}")
     for r0 in range(0, total, rows_per_chunk):

@@ -56,6 +56,14 @@ class ReleaseStateSource(StateSource):
         """The named tensors that exist (Megatron-Bridge drops absent keys itself)."""
         return {k: self.reader.read(k) for k in keys if k in self.reader}
 
+    def get_shape(self, key: str) -> tuple[int, ...]:
+        """Stored shape, from the shard header (Megatron-Bridge's row-read API, DSV41-MBRIDGE-003)."""
+        return tuple(self.reader.info(key).shape)
+
+    def load_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) as stored, read in place (Megatron-Bridge's row-read API, DSV41-MBRIDGE-003)."""
+        return self.reader.read_rows(key, start, stop)
+
     def info(self, key: str) -> TensorInfo:
         """Stored dtype and shape of a tensor, without reading it."""
         return self.reader.info(key)

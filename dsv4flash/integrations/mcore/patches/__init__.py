@@ -20,10 +20,11 @@ mcore_twin = functools.partial(runtime_patch, target="NVIDIA/Megatron-LM", distr
 UPSTREAM_SOURCES = Path(__file__).resolve().parent / "_upstream"
 
 
-def provide_upstream_files(patcher, modules: dict[str, str]) -> None:
-    """Make each upstream module name import the file `UPSTREAM_SOURCES / path` (in the given order)."""
+def provide_upstream_files(patcher, modules: dict[str, str], root: Path = UPSTREAM_SOURCES) -> None:
+    """Make each upstream module name import the file `root / path` (in the given order; megatron-bridge twins
+    pass their own `_upstream` root)."""
     for name, rel in modules.items():
-        spec = importlib.util.spec_from_file_location(name, UPSTREAM_SOURCES / rel)
+        spec = importlib.util.spec_from_file_location(name, root / rel)
         module = importlib.util.module_from_spec(spec)
         patcher.provide_module(name, module)  # registered before it runs: dataclasses look their module up
         spec.loader.exec_module(module)
