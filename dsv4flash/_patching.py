@@ -235,7 +235,13 @@ class RuntimePatch:
                 with self.suspended():
                     self._upstream_cache = bool(self._probe())
             else:
-                self._upstream_cache = bool(self._probe())
+                result = bool(self._probe())
+                if self.applied:
+                    # The probe's own imports fired the lazy post-import hooks and applied this twin, so it
+                    # may have measured our code: measure again with the twin taken out.
+                    with self.suspended():
+                        result = bool(self._probe())
+                self._upstream_cache = result
             return self._upstream_cache
 
     def obsolete(self, versions: dict[str, str | None] | None = None) -> bool | None:

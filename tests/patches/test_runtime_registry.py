@@ -97,6 +97,21 @@ def test_probe_measures_upstream_even_while_applied(fake):
     twin.revert()
 
 
+def test_probe_whose_import_applies_the_twin_measures_again_without_it(fake):
+    # As in production: the probe's first import of upstream fires the plugin's post-import hook, which
+    # applies the twin before the probe reads the code (a veRL probe once reported our own fix as upstream's).
+    registry = "__import__('dsv4flash._patching', fromlist=['REGISTRY']).REGISTRY"
+    hook = (f"(lambda m=__import__('fakeup'): getattr(m, 'hook_fired', False) "
+            f"or (setattr(m, 'hook_fired', True), {registry}.get('FAKE-001').apply(mode='on')))")
+    twin = _twin(fake, probe=f"lambda: ({hook}(), __import__('fakeup.core').core.answer() == 42)[1]")
+    import fakeup.core
+
+    assert not twin.applied
+    assert twin.upstream_has_it() is False
+    assert twin.applied and fakeup.core.answer() == 42  # the hook's application stays, as it would
+    twin.revert()
+
+
 def test_dependencies_apply_first_and_block_when_off(fake, monkeypatch):
     fake.install_dist()
     importlib.invalidate_caches()
