@@ -227,7 +227,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                "installed": {d: versions.get(canonicalize_name(d)) for d in pred.distributions},
                "obsolete": pred.evaluate(versions), "upstream_has_it": None}
         if args.probe and pid in registry and not overrides:
-            row["upstream_has_it"] = registry.get(pid).upstream_has_it()
+            try:
+                row["upstream_has_it"] = registry.get(pid).upstream_has_it()
+            except Exception as exc:  # a probe that cannot run says so in its row; the table still prints
+                row["probe_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
             if row["upstream_has_it"]:
                 row["obsolete"] = True
         rows.append(row)
@@ -240,6 +243,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         for r in rows:
             installed = ", ".join(f"{d} {v or 'not installed'}" for d, v in r["installed"].items())
             probe = {None: "–", True: "fixed upstream", False: "still needed"}[r["upstream_has_it"]]
+            if "probe_error" in r:
+                probe = f"probe failed: {r['probe_error']}"
             status = {True: "OBSOLETE: remove both forms", False: "needed", None: "unknown"}[r["obsolete"]]
             table.add_row(*(Text(c) for c in (r["patch_id"], r["remove_when"], installed, probe, status)))
         _console().print(table)

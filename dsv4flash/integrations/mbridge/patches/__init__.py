@@ -7,9 +7,25 @@ them all and `dsv4flash.integrations.mbridge.register()` applies them. The upstr
 """
 
 import functools
+import sys
 
 from dsv4flash._patching import runtime_patch
 
 mbridge_twin = functools.partial(runtime_patch, target="NVIDIA-NeMo/Megatron-Bridge", distribution="megatron-bridge",
                                  versions=">=0.6.2,<0.7.0", upstream_status="Pending", forwarded="no",
                                  remove_when="megatron-bridge>=0.7.0")
+
+
+def import_bridge() -> None:
+    """Make `megatron.bridge` importable for a probe: as is, or in CPU development mode on Python 3.11 without CUDA."""
+    try:
+        import megatron.bridge  # noqa: F401
+        return
+    except ImportError:
+        import torch
+
+        if sys.version_info >= (3, 12) or torch.cuda.is_available():
+            raise  # a real install problem: the CPU development mode does not apply here
+    from dsv4flash import mbridge_cpu_import
+
+    mbridge_cpu_import.install()

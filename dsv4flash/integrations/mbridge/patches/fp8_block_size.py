@@ -20,7 +20,7 @@ import inspect
 import torch
 
 from dsv4flash._patching import Patcher
-from dsv4flash.integrations.mbridge.patches import mbridge_twin
+from dsv4flash.integrations.mbridge.patches import import_bridge, mbridge_twin
 
 _QU = "megatron.bridge.models.conversion.quantization_utils"
 TOUCHES = tuple(f"{_QU}.{name}" for name in (
@@ -30,6 +30,7 @@ TOUCHES = tuple(f"{_QU}.{name}" for name in (
 
 def upstream_has_block_size() -> bool:
     """Probe: do both entry points take `block_size`, and does -0.0 keep its MXFP4 sign nibble?"""
+    import_bridge()
     from megatron.bridge.models.conversion import quantization_utils as qu
 
     if not all("block_size" in inspect.signature(fn).parameters

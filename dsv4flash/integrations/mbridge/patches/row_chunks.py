@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dsv4flash._patching import Patcher
-from dsv4flash.integrations.mbridge.patches import mbridge_twin
+from dsv4flash.integrations.mbridge.patches import import_bridge, mbridge_twin
 from dsv4flash.integrations.mcore.patches import provide_upstream_files
 
 UPSTREAM_SOURCES = Path(__file__).resolve().parent / "_upstream"
@@ -33,6 +33,7 @@ TOUCHES = tuple(f"{_STATE}.{owner}.{name}" for owner in ("StateSource", "StateDi
 
 def upstream_has_row_chunks() -> bool:
     """Probe: does a dict-backed `StateSource` read a row range, and does the row-chunk module exist?"""
+    import_bridge()
     import importlib.util
 
     from megatron.bridge.models.hf_pretrained.state import DictStateSource
