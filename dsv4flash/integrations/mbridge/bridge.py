@@ -43,10 +43,10 @@ class DSV41Bridge(MegatronModelBridge):
 
     # ---- model -----------------------------------------------------------------------------------------
     def provider_bridge(self, hf_pretrained):
-        """A `DSV41ModelProvider` for the checkpoint's `config.json`."""
-        from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider
+        """A Megatron-Bridge provider (`DSV41BridgeModelProvider`) for the checkpoint's `config.json`."""
+        from dsv4flash.integrations.mbridge.provider import DSV41BridgeModelProvider
 
-        return DSV41ModelProvider(release_config(hf_pretrained))
+        return DSV41BridgeModelProvider(release_config(hf_pretrained))
 
     @classmethod
     def megatron_to_hf_config(cls, provider) -> dict:
