@@ -13,6 +13,7 @@ overrides), and `finalize()` validates the whole, like the deferred post-init of
     provider.apply_overrides_and_finalize(dtype=torch.float32, overrides={"expert_model_parallel_size": 2})
     provider.register_pre_wrap_hook(create_peft_hook(peft, training=True))
     model = provider.provide_distributed_model(ddp_config=ddp_config)   # [DDP(DSV41MegatronModel)]
+    peft = provider.provide_peft({"rank": 16, "alpha": 32, "target_modules": [...]})   # DSV41LoRA (veRL asks)
 """
 
 from __future__ import annotations
@@ -54,6 +55,21 @@ class DSV41BridgeModelProvider(DSV41ModelProvider, ModelProviderMixin[DSV41Megat
         if name in self.overrides:
             return self.overrides[name]
         return getattr(dataclasses.replace(self, overrides={}).transformer_config(), name)
+
+    def provide_peft(self, lora_cfg: Any, dtype: Any = None):
+        """Megatron-Bridge's LoRA from a veRL-style `lora` mapping, as `DSV41LoRA` (grouped `wo_a` adapters too)."""
+        from megatron.bridge.peft.utils import create_peft
+
+        from dsv4flash.integrations.mbridge.grouped_lora import DSV41LoRA
+
+        kind = lora_cfg.get("type", "lora")
+        if kind != "lora":
+            raise ValueError(f"lora.type: DeepSeek-V4.1 on Megatron supports 'lora' (with block-diagonal adapters on "
+                             f"the grouped wo_a projection), got {kind!r}")
+        generic = create_peft(lora_cfg, dtype=dtype)  # upstream's own parsing of the mapping
+        if generic is None:
+            return None
+        return DSV41LoRA(**{f.name: getattr(generic, f.name) for f in dataclasses.fields(generic) if f.init})
 
     def finalize(self) -> None:
         """Validate the overrides now (build the `CSA2TransformerConfig` once), as upstream providers do."""
