@@ -34,6 +34,7 @@ __all__ = ["DSV41Bridge", "SOURCE", "MODEL_TYPE"]
 SOURCE = "DeepseekV41ForCausalLM"
 MODEL_TYPE = "deepseek_v41"
 _QUANTIZED = (QuantRole.DENSE_FP8, QuantRole.EXPERT_MXFP4, QuantRole.ENGRAM_FP8)
+_WIDE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class DSV41Bridge(MegatronModelBridge):
@@ -78,7 +79,9 @@ class DSV41Bridge(MegatronModelBridge):
 
     def _load(self, name: str, hf_state_dict) -> torch.Tensor:
         role = quant_role(name)
-        if role not in _QUANTIZED:
+        # A dequantized checkpoint (a dsv4flash base, a BF16 conversion) stores these in a wide float dtype
+        # and carries no `.scale`: it is read as is.
+        if role not in _QUANTIZED or _stored_dtype(name, hf_state_dict) in _WIDE_FLOATS:
             return hf_state_dict[name]
         q, s = hf_state_dict[name], hf_state_dict[scale_name(name)]
         return codecs.decode(role, q, s, dtype=self.decode_dtype, name=name)
@@ -198,8 +201,18 @@ def _fill_table(table, name: str, hf_state_dict, rows_per_chunk: int = 1 << 16) 
     total = reader.info(name).rows if reader is not None else hf_state_dict[name].shape[0]
     if total != table.weight.shape[0]:
         raise ValueError(f"{name}: {total} rows in the checkpoint, the host table has {table.weight.shape[0]}")
+    wide = _stored_dtype(name, hf_state_dict) in _WIDE_FLOATS  # a dequantized checkpoint: no `.scale`
     for r0 in range(0, total, rows_per_chunk):
         r1 = min(total, r0 + rows_per_chunk)
+        if wide:
+            rows = reader.read_rows(name, r0, r1) if reader is not None else hf_state_dict[name][r0:r1]
+            if table.fp8:
+                q, s = codecs.encode_engram_fp8(rows.float(), name=name)
+                table.weight[r0:r1].view(torch.uint8).copy_(q.view(torch.uint8))
+                table.scale[r0:r1].view(torch.uint8).copy_(s.view(torch.uint8))
+            else:
+                table.weight[r0:r1].copy_(rows)
+            continue
         if reader is not None:
             q, s = reader.read_rows(name, r0, r1), reader.read_rows(scale, r0, r1)
         else:
