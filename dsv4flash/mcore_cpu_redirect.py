@@ -2,8 +2,8 @@
 
 megatron-core places buffers on `torch.cuda.current_device()`, seeds and forks the CUDA RNG, creates
 CUDA streams/events, sometimes passes `device="cuda"` literally and converts split sizes to numpy only for
-CUDA tensors. `install()` points all of that at the CPU; `uninstall()` restores every attribute it replaced.
-It changes global torch state, so nothing installs it implicitly except veRL's CPU development platform
+CUDA tensors, and its optimizers accept only parameters whose `type()` names CUDA. `install()` points all
+of that at the CPU; `uninstall()` restores every attribute it replaced. It changes global torch state, so nothing installs it implicitly except veRL's CPU development platform
 (`VERL_PLATFORM=cpu`, `dsv4flash.integrations.verl.cpu_platform`), in its own worker processes and only
 where no CUDA device is visible (checked there); the tests use it through `tests.mcore_cpu.shim` (the same
 module state).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -105,6 +106,25 @@ def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False)
     return tensor
 
 
+def _megatron_type_name(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`Tensor.type()` that reports a host tensor under its CUDA name when megatron-core's optimizer asks.
+
+    Its mixed-precision and distributed optimizers dispatch on `param.type() == 'torch.cuda.FloatTensor'`
+    (or Half/BFloat16) and refuse anything else; only calls made from `megatron.core.optimizer` see the
+    CUDA name, so no other caller can mistake a host tensor for a CUDA one.
+    """
+
+    @functools.wraps(original)
+    def type_(self, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or ".cuda." in name:
+            return name
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return name.replace("torch.", "torch.cuda.", 1) if caller.startswith("megatron.core.optimizer") else name
+
+    return type_
+
+
 def installed() -> bool:
     """Whether the redirect is active in this process."""
     return bool(_saved)
@@ -138,6 +158,7 @@ def install() -> None:
     _replace(cuda, "synchronize", lambda *args, **kwargs: None)
     _replace(torch.Tensor, "record_stream", lambda self, *args, **kwargs: None)
     _replace(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
+    _replace(torch.Tensor, "type", _megatron_type_name(torch.Tensor.type))
     for name in _FACTORIES:
         _replace(torch, name, _redirect_factory(getattr(torch, name)))
     rng_filter = _DropRngWarning()
