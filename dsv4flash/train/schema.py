@@ -197,7 +197,7 @@ class VerlEngine:
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 2
     expert_model_parallel_size: int = 8
-    # Megatron actor and rollout compute dtype (veRL's Megatron engine takes bfloat16 | float16)
+    # Megatron actor and rollout compute dtype: bfloat16 | float16 | float32 (float32: DSV41-VERL-010; CPU runs)
     dtype: str = "bfloat16"
     # dynamic batching: micro-batches packed up to max_length tokens per GPU instead of a fixed count
     dynamic_batching: bool = False
