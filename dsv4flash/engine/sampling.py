@@ -46,10 +46,13 @@ def has_cache(forward) -> bool:
 @torch.no_grad()
 def generate(forward: ForwardFn, prompts: Sequence[tuple[torch.Tensor, torch.Tensor, list]], *, max_new_tokens: int,
              eos_id: int, pad_id: int, temperature: float = 1.0, generator: torch.Generator | None = None,
-             autocast_dtype: torch.dtype | None = None, use_cache: bool | None = None) -> Rollout:
+             autocast_dtype: torch.dtype | None = None, use_cache: bool | None = None,
+             logprobs_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Rollout:
     """Sample up to `max_new_tokens` per prompt (greedy when temperature == 0); rows stop at eos.
 
     use_cache: None = cached decode whenever `forward` has `prefill`/`decode`; False forces full recompute.
+    logprobs_fn: [R,V] fp32 logits -> [R,V] log-probs of the sampling distribution, replacing the plain
+    temperature softmax when temperature > 0 (e.g. `dsv4flash.service.sampling.process_logits`: top-k/top-p).
     """
     from dsv4flash.model.image import TEXT
 
@@ -91,7 +94,7 @@ def generate(forward: ForwardFn, prompts: Sequence[tuple[torch.Tensor, torch.Ten
                                  [img for b in uniq.tolist() for img in row_images[b]])  # [U,seqlen,V]
             last = logits[inverse, lengths[live] - 1].float()  # [L,V]
         if temperature > 0:
-            logp = torch.log_softmax(last / temperature, dim=-1)
+            logp = logprobs_fn(last) if logprobs_fn is not None else torch.log_softmax(last / temperature, dim=-1)
             tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
         else:
             logp = torch.log_softmax(last, dim=-1)

@@ -18,7 +18,7 @@ import torch
 
 from dsv4flash.lora.config import LoraConfig
 
-__all__ = ["save_peft_adapter", "collect_adapters"]
+__all__ = ["save_peft_adapter", "collect_adapters", "adapter_placement"]
 
 _EXPERT = re.compile(r"^(?P<moe>.+\.ffn)\.experts\.(?P<e>\d+)\.(?P<w>w[123])\.lora_(?P<f>[AB])\.weight$")
 _LAYER = re.compile(r"^(layers|mtp)\.(\d+)\.")
@@ -88,29 +88,40 @@ def _placement(keys, reference) -> list[str]:
     return rules
 
 
-def save_peft_adapter(megatron_model, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None,
-                      overwrite: bool = False) -> Path:
-    """Write the Megatron model's adapters as a PEFT directory loadable by `dsv4flash.lora.load_peft_adapter`."""
-    from dsv4flash.integrations.mbridge import register
+def adapter_placement(tensors: dict[str, torch.Tensor], cfg, *, rank: int, alpha: float, wo_a_lora: str):
+    """The `LoraConfig` that canonical adapter `tensors` form on the reference model of `cfg`, checked tensor by
+    tensor -> (LoraConfig, the meta-device reference model with it applied, its LoraHandle)."""
     from dsv4flash.lora.apply import apply_lora
-    from dsv4flash.lora.peft_io import model_adapter_files, write_adapter_dir
     from dsv4flash.lora.state import lora_parameters
     from dsv4flash.model.transformer import Transformer
 
-    bridge = register()()
-    models = megatron_model if isinstance(megatron_model, list) else [megatron_model]
-    cfg = models[0].config.dsv4
-    tensors, rank, alpha, mode = collect_adapters(bridge, models)
     reference = Transformer(cfg, device="meta", seed=None)
     lora_cfg = LoraConfig(preset="custom", include=_placement(tensors, reference), rank=rank, alpha=alpha,
-                          wo_a_lora=mode, vit="frozen", layers="all", freeze_kv_write=False)
+                          wo_a_lora=wo_a_lora, vit="frozen", layers="all", freeze_kv_write=False)
     handle = apply_lora(reference, lora_cfg)
     expected = {k: tuple(p.shape) for k, p in lora_parameters(reference).items()}
     got = {k: tuple(t.shape) for k, t in tensors.items()}
     if expected != got:
         missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
         wrong = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
-        raise ValueError(f"save_peft_adapter: exported adapters do not form a reference placement: missing "
-                         f"{missing[:3]}, unexpected {extra[:3]}, wrong shape {[(k, got[k], expected[k]) for k in wrong[:3]]}")
+        raise ValueError(f"adapter tensors do not form a reference placement: missing {missing[:3]}, unexpected "
+                         f"{extra[:3]}, wrong shape {[(k, got[k], expected[k]) for k in wrong[:3]]}")
+    return lora_cfg, reference, handle
+
+
+def save_peft_adapter(megatron_model, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None,
+                      overwrite: bool = False) -> Path:
+    """Write the Megatron model's adapters as a PEFT directory loadable by `dsv4flash.lora.load_peft_adapter`."""
+    from dsv4flash.integrations.mbridge import register
+    from dsv4flash.lora.peft_io import model_adapter_files, write_adapter_dir
+
+    bridge = register()()
+    models = megatron_model if isinstance(megatron_model, list) else [megatron_model]
+    tensors, rank, alpha, mode = collect_adapters(bridge, models)
+    try:
+        _, reference, handle = adapter_placement(tensors, models[0].config.dsv4, rank=rank, alpha=alpha,
+                                                 wo_a_lora=mode)
+    except ValueError as exc:
+        raise ValueError(f"save_peft_adapter: exported {exc}") from None
     config, files = model_adapter_files(reference, handle, tensors, base_model_name_or_path)
     return write_adapter_dir(Path(directory), config, files, overwrite=overwrite, what="peft export")
