@@ -18,6 +18,7 @@ Megatron-Core model (`DSV41MegatronModel`, built by `DSV41ModelProvider`).
 
 from __future__ import annotations
 
+import re
 from typing import Iterable, Iterator, List, Mapping, Optional, Union
 
 import torch
@@ -161,9 +162,48 @@ class DSV41Bridge(MegatronModelBridge):
             b = _gather_groups(b)
             yield HFWeightTuple(f"{stem}.lora_A.weight", a.cpu() if cpu else a)
             yield HFWeightTuple(f"{stem}.lora_B.weight", b.cpu() if cpu else b)
-        yield from super().stream_adapter_weights_megatron_to_hf(
+        yield from _with_all_expert_adapters(super().stream_adapter_weights_megatron_to_hf(
             megatron_model, cpu=cpu, show_progress=show_progress,
-            exclude_adapter_base_prefixes=excluded + list(grouped))
+            exclude_adapter_base_prefixes=excluded + list(grouped)), _sequential_experts(models))
+
+
+_EXPERT_ADAPTER = re.compile(r"(\.ffn\.experts\.)(\d+)(\.)")
+
+
+def _sequential_experts(models: List[torch.nn.Module]) -> int:
+    """The routed-expert count when the experts are sequential (`.local_experts.N`), else 0 (grouped GEMM:
+    Megatron-Bridge gathers those adapters over EP itself)."""
+    sequential = any(".local_experts." in name for name, _ in models[0].named_parameters())
+    return models[0].config.num_moe_experts if sequential else 0
+
+
+def _with_all_expert_adapters(tuples: Iterable[HFWeightTuple], num_experts: int) -> Iterator[HFWeightTuple]:
+    """Every expert's adapters, under global expert numbers, on every expert-parallel rank.
+
+    Megatron-Bridge 0.6 does not shard adapter names over EP ("adapters are not sharded across EP ranks",
+    `_megatron_local_name_to_global`): with sequential experts (`.local_experts.N`) each EP rank exports only
+    its own experts' factors, numbered locally 0 … E/EP−1, so a rollout fed by rank 0 would get the wrong
+    factors for experts E/EP … E−1. Here each rank renumbers its per-expert factors (global = EP rank · E/EP +
+    local) and all ranks exchange them. Non-expert adapters stream through as they come; the exchanged
+    expert factors are host tensors (they travel as pickled objects).
+    """
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep == 1 or not num_experts:
+        yield from tuples
+        return
+    first = parallel_state.get_expert_model_parallel_rank() * (num_experts // ep)
+    local = []
+    for item in tuples:
+        if _EXPERT_ADAPTER.search(item.param_name):
+            name = _EXPERT_ADAPTER.sub(lambda m: f"{m[1]}{int(m[2]) + first}{m[3]}", item.param_name, count=1)
+            local.append((name, item.weight.detach().cpu()))
+        else:
+            yield item
+    gathered: list = [None] * ep
+    torch.distributed.all_gather_object(gathered, local, group=parallel_state.get_expert_model_parallel_group())
+    for rank_pairs in gathered:
+        for name, weight in rank_pairs:
+            yield HFWeightTuple(name, weight)
 
 
 def release_config(hf_pretrained) -> DSV41FlashConfig:
