@@ -18,7 +18,7 @@ import torch
 
 pytestmark = [pytest.mark.upstream]
 ROOT = Path(__file__).resolve().parents[2]
-LORA = {"rank": 4, "alpha": 8}
+LORA = {"rank": 16, "alpha": 32}  # alpha = 2·rank; 1.2 MiB of factors: two 1 MiB sync buckets
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +156,60 @@ def test_prompt_logprobs_take_vllms_layout(base_dir, reference):
     assert torch.allclose(torch.tensor(exact.prompt_logprobs[:-1]), want, atol=1e-5) and exact.prompt_logprobs[-1] == [0.0]
     top = engine.generate(prompt, {"prompt_logprobs": 2}, max_tokens=1)
     assert top.prompt_ids[:-1] == ref[:-1].topk(2, -1).indices.tolist() and top.prompt_ids[-1] == [0, 0]
+    # rollout.dtype=bfloat16 computes under BF16 autocast: the reference model under the same autocast
+    bf16 = RolloutEngine(base_dir, dtype="bfloat16")
+    bf16.set_adapter(tensors, {"r": LORA["rank"], "lora_alpha": LORA["alpha"]})
+    low = torch.tensor(bf16.generate(prompt, {"prompt_logprobs": 0}, max_tokens=1).prompt_logprobs[:-1])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_low = torch.log_softmax(model(torch.tensor([prompt]))[0].float(), -1)[:-1]
+    assert not torch.equal(low, want)
+    assert torch.allclose(low, ref_low.gather(-1, torch.tensor(prompt[1:])[:, None]), atol=1e-5)
+
+
+def test_top_k_and_top_p_shape_the_sampling_distribution(base_dir):
+    """top-k / top-p go through `engine.sampling.generate`'s `logprobs_fn` (the service's `process_logits`)."""
+    from dsv4flash.integrations.verl.rollout.engine import RolloutEngine
+
+    engine = RolloutEngine(base_dir)
+    prompt = [5, 17, 42, 99]
+    greedy = engine.generate(prompt, {"temperature": 0.0}, max_tokens=4, ignore_eos=True)
+    top1 = engine.generate(prompt, {"temperature": 1.0, "top_k": 1, "seed": 2}, max_tokens=4, ignore_eos=True)
+    assert top1.token_ids == greedy.token_ids and top1.log_probs == [0.0] * 4  # one token left: probability 1
+    nucleus = engine.generate(prompt, {"temperature": 1.0, "top_p": 1e-6, "seed": 2}, max_tokens=4, ignore_eos=True)
+    assert nucleus.token_ids == greedy.token_ids and nucleus.log_probs == [0.0] * 4
+
+
+def test_base_sync_takes_the_release_layout_the_bridge_exports(base_dir, tmp_path):
+    """FP8 / MXFP4 payloads with their `.scale` (what `DSV41Bridge` re-quantizes to), split across buckets."""
+    from dsv4flash_bridge import codecs
+    from dsv4flash_bridge.convert_common import QUANTIZED
+    from dsv4flash_bridge.sharded import CheckpointReader
+    from dsv4flash_bridge.synthetic import write_release_checkpoint
+
+    from dsv4flash.integrations.verl.rollout.engine import RolloutEngine
+    from dsv4flash.quant_plan import quant_role, scale_name
+
+    release = write_release_checkpoint(tmp_path / "release", "tiny", shards=2, seed=7)
+    with CheckpointReader(release) as ckpt:
+        stored = [(n, ckpt.read(n)) for n in ckpt.names()]
+    stored.sort(key=lambda item: item[0].endswith(".scale"))  # every scale after every payload: pairs span buckets
+    engine = RolloutEngine(base_dir)
+    half = len(stored) // 2
+    written = engine.load_base_weights(stored[:half]) + engine.load_base_weights(stored[half:])
+    engine.finish_base_sync()
+    by_name = dict(stored)
+    params = dict(engine.base.model.named_parameters())
+    assert written == len(params)
+    for name, param in params.items():
+        role = quant_role(name)
+        want = (codecs.decode(role, by_name[name], by_name[scale_name(name)], name=name)
+                if role in QUANTIZED and by_name[name].element_size() == 1 else by_name[name].float())
+        assert torch.equal(param, want), name
+    assert any(quant_role(n).name == "EXPERT_MXFP4" for n in params)  # the MXFP4 experts were decoded too
+    payload = next(n for n, _ in stored if quant_role(n) in QUANTIZED)
+    engine.load_base_weights([(payload, by_name[payload])])
+    with pytest.raises(ValueError, match=f"quantized tensors arrived without their other half: .*{payload}"):
+        engine.finish_base_sync()
 
 
 def test_bad_input_is_refused_by_name(base_dir, reference):
@@ -183,8 +237,34 @@ def test_bad_input_is_refused_by_name(base_dir, reference):
     with pytest.raises(KeyError, match="base sync: tensor 'layers.0.nope.weight'"):
         engine.load_base_weights([("layers.0.nope.weight", torch.zeros(1))])
     assert engine.adapter is None
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.dtype='float16': .* computes in one of"):
+        RolloutEngine(base_dir, dtype="float16")
     with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.tensor_model_parallel_size=2: .* allowed: 1"):
         check_layout(RolloutConfig(name="dsv4flash", tensor_model_parallel_size=2))
+
+
+def test_server_budget_and_full_determinism(base_dir):
+    """The server in-process: vLLM's token budget and, with `full_determinism`, one seed per replica."""
+    from verl.workers.config import RolloutConfig
+
+    from dsv4flash.integrations.verl.rollout.server import DSV4FlashRolloutServer
+
+    def server(**kw):
+        s = DSV4FlashRolloutServer(RolloutConfig(name="dsv4flash", prompt_length=8, response_length=5, **kw),
+                                   {"path": str(base_dir)}, rollout_mode=None, replica_rank=1)
+        s.launch()
+        return s
+
+    def ask(s, prompt=(5, 6, 7), **params):
+        return asyncio.run(s.generate(list(prompt), params, request_id="r")).token_ids
+
+    plain = server(seed=3)
+    assert len(ask(plain, ignore_eos=True)) == 5 and len(ask(plain, ignore_eos=True, max_tokens=2)) == 2
+    assert len(ask(plain, prompt=[5] * 11, ignore_eos=True)) == 2  # prompt 8 + response 5: 2 tokens of room
+    with pytest.raises(ValueError, match="prompt length 13 leaves no room within max_model_len 13"):
+        ask(plain, prompt=[5] * 13)
+    fixed = server(seed=3, full_determinism=True)
+    assert ask(fixed) == ask(fixed) == ask(plain, seed=4)  # replica 1 + seed 3
 
 
 def test_the_plugin_registers_the_backend_in_both_verl_registries():
@@ -213,7 +293,7 @@ def _verl_config(base_dir: Path):
 
 
 @pytest.mark.slow
-def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypatch, base_dir, reference):
+def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypatch, tmp_path, base_dir, reference):
     ray = pytest.importorskip("ray")
     from ray import cloudpickle
     from verl.single_controller.ray.base import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
@@ -245,7 +325,7 @@ def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypa
             assert [type(r).__name__ for r in manager.rollout_replicas] == ["DSV4FlashReplica"] * 2
             client = manager.get_client()
             results = asyncio.run(_generate_sync_generate(client, manager.server_handles, group, cfg, tensors,
-                                                          synced_base))
+                                                          synced_base, config, tmp_path))
             results["parked"] = asyncio.run(_replica_controls(manager.rollout_replicas[0], cfg))
     finally:
         ray.shutdown()
@@ -260,11 +340,43 @@ def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypa
     lp, routes_ref, types_ref = _reference_logprobs(model, prompt, images, results["adapter"]["token_ids"])
     assert torch.allclose(torch.tensor(results["adapter"]["log_probs"]), lp, atol=1e-5, rtol=0)
     _assert_routes_expand_to_reference(cfg, prompt, images, results["adapter"], routes_ref, types_ref)
+    # concurrent requests (seeded) get exactly what each gets alone: no cross-talk of caches or route records
+    assert results["concurrent"] == results["sequential"]
+    # the adapter (1.2 MiB) crossed two 1 MiB buckets and was applied once, after the last
+    assert results["syncs"] == [{"kind": "adapter", "buckets": 2, "tensors": len(tensors)}] * 2
     # both replicas serve the adapter their own worker pushed (one replica per rollout rank)
     assert results["replicas"] == [0, 1]
     assert [out["token_ids"] for out in results["per_server"]] == [results["adapter"]["token_ids"]] * 2
+    # veRL's SingleTurnAgentLoop (chat template -> prompt ids -> the client -> merged response) on a text prompt
+    loop = results["agent_loop"]
+    lp, routes_ref, _ = _reference_logprobs(model, loop["prompt_ids"], [], loop["response_ids"])
+    assert torch.allclose(torch.tensor(loop["response_logprobs"]), lp, atol=1e-5, rtol=0)
+    routes = torch.from_numpy(np.array(loop["routed_experts"])).long()
+    assert torch.equal(routes, routes_ref[: routes.shape[0]])
+    assert routes.shape[0] == len(loop["prompt_ids"]) + len(loop["response_ids"]) - 1
     # a request admitted while the replica is aborted for a sync waits for resume_generation, then is served
     assert results["parked"]["waited"] and results["parked"]["token_ids"] == results["adapter"]["token_ids"]
+
+
+async def _single_turn_agent_loop(client, config, cfg, tmp_path):
+    """veRL's own SingleTurnAgentLoop on the client, with the task tokenizer in Hugging Face form."""
+    from transformers import AutoTokenizer
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from dsv4flash.tasks.hf_tokenizer import save_hf_tokenizer
+    from dsv4flash.tasks.tokenizer import TaskTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(save_hf_tokenizer(TaskTokenizer(cfg), tmp_path / "hf_tokenizer"))
+    agent = SingleTurnAgentLoop(trainer_config=DictConfigWrap(config), server_manager=client, tokenizer=tokenizer,
+                                processor=None, dataset_cls=RLHFDataset, data_config=DictConfigWrap(config.data))
+    rollout = config.actor_rollout_ref.rollout
+    params = dict(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k, repetition_penalty=1.0,
+                  logprobs=True)  # what AgentLoopWorker.generate_sequences sends
+    out = await agent.run(sampling_params=params, raw_prompt=[{"role": "user", "content": "2 + 3 ="}])
+    return {"prompt_ids": list(out.prompt_ids), "response_ids": list(out.response_ids),
+            "response_logprobs": list(out.response_logprobs), "routed_experts": out.routed_experts}
 
 
 async def _replica_controls(replica, cfg):
@@ -290,21 +402,28 @@ async def _replica_controls(replica, cfg):
     return {"waited": waited, "token_ids": out["token_ids"]}
 
 
-async def _generate_sync_generate(client, servers, group, cfg, tensors, synced_base):
+async def _generate_sync_generate(client, servers, group, cfg, tensors, synced_base, config, tmp_path):
     """generate (base) -> veRL's unmerged LoRA sync from every worker -> generate (adapter), via veRL's client."""
     prompt, images = _prompt(cfg, True), [_image(0)]
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True, "seed": 11}
 
-    async def ask(request_id, temperature=1.0):
+    async def ask(request_id, temperature=1.0, seed=11):
         out = await client.generate(request_id, prompt_ids=prompt, image_data=images,
-                                    sampling_params={**params, "temperature": temperature})
+                                    sampling_params={**params, "temperature": temperature, "seed": seed})
         return out.model_dump()
 
     base = await ask("base", temperature=0.1)  # low: the random tiny base is near uniform
     group.release()
     replicas = group.update_weights(tensors=tensors, lora=LORA, global_steps=3, base=synced_base)
+    syncs = [await s.get_last_sync.remote() for s in servers]
     adapter_cold = await ask("adapter-cold", temperature=0.1)
     adapter = await ask("adapter")
+    together = await asyncio.gather(*[ask(f"together-{i}", seed=i) for i in range(4)])  # the agent loop's way
+    alone = [await ask(f"alone-{i}", seed=i) for i in range(4)]
     per_server = [(await s.generate.remote(prompt_ids=prompt, sampling_params=dict(params), request_id=f"direct-{i}",
                                            image_data=images)).model_dump() for i, s in enumerate(servers)]
-    return {"base": base, "adapter_cold": adapter_cold, "adapter": adapter, "per_server": per_server, "replicas": sorted(replicas)}
+    return {"base": base, "adapter_cold": adapter_cold, "adapter": adapter,
+            "agent_loop": await _single_turn_agent_loop(client, config, cfg, tmp_path), "syncs": syncs,
+            "concurrent": [(a["token_ids"], a["log_probs"], np.array(a["routed_experts"]).tolist()) for a in together],
+            "sequential": [(a["token_ids"], a["log_probs"], np.array(a["routed_experts"]).tolist()) for a in alone],
+            "per_server": per_server, "replicas": sorted(replicas)}

@@ -4,6 +4,7 @@ reference engine behind the interfaces veRL uses for vLLM.
 | module    | what                                                                                          |
 |-----------|-----------------------------------------------------------------------------------------------|
 | `engine`  | `RolloutEngine`: resident base, synced adapter bound unmerged, cached decode, compact routes   |
+| `weights` | a sync's payload in reference terms: adapter -> placement + canonical tensors, release-layout base decode |
 | `server`  | `DSV4FlashRolloutServer`: the Ray actor the agent loop and the weight sync call (vLLM server's interface) |
 | `replica` | `DSV4FlashReplica`: veRL's `RolloutReplica` starting the servers                              |
 | `adapter` | `ServerAdapter`: veRL's `BaseRollout` in each actor worker; forwards `update_weights` in buckets |

@@ -11,7 +11,6 @@ row per compact token but the last, an image placeholder carrying its span's fir
 from __future__ import annotations
 
 import contextlib
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-PEFT_PREFIX = "base_model.model."
-_PACKED_EXPERTS = re.compile(r"\.ffn\.experts\.w[123]\.lora_[AB]\.weight$")  # fused 3-D [E, ...] factors
+from dsv4flash.integrations.verl.rollout.weights import ReleaseDecoder
+
+# rollout.dtype -> autocast dtype of generation (the resident base stays fp32; None = fp32 compute)
+DTYPES = {"float32": None, "fp32": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 # sampling_params keys a veRL agent loop sends; anything else is refused by name (a silent ignore samples wrongly)
 _KNOWN_PARAMS = {"temperature", "top_p", "top_k", "repetition_penalty", "logprobs", "max_tokens", "max_new_tokens",
                  "ignore_eos", "seed", "prompt_logprobs"}
@@ -42,62 +43,58 @@ class Generation:
 class RolloutEngine:
     """Reference-model generation for veRL requests, with the last synced adapter (unmerged) or the bare base."""
 
-    def __init__(self, base_dir: str | Path, *, seed: int = 0) -> None:
+    def __init__(self, base_dir: str | Path, *, seed: int = 0, dtype: str = "float32") -> None:
         from dsv4flash.engine import model_io
         from dsv4flash.service.resident import ResidentBase
 
+        if dtype not in DTYPES:
+            raise ValueError(f"actor_rollout_ref.rollout.dtype={dtype!r}: the dsv4flash rollout computes in one of "
+                             f"{sorted(DTYPES)}")
+        self.autocast = DTYPES[dtype]
         base_dir = Path(base_dir)
         model_io.read_manifest(base_dir)  # a clear error when the path is not a dsv4flash base directory
         self.base = ResidentBase(str(base_dir / "config.json"), base_dir=base_dir)
         self.cfg = self.base.cfg
         self.adapter: tuple | None = None  # (LoraConfig placement, canonical tensors)
         self.version = 0  # adapter syncs applied
+        self._decoder = ReleaseDecoder()
         self._seeds = torch.Generator().manual_seed(seed)
         self._seed_lock = threading.Lock()
 
-    # ---- weight sync ------------------------------------------------------------------------------
+    # ---- weight sync (weights.py turns the payloads into reference terms) -----------------------------
     def set_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict) -> None:
-        """Bind received LoRA tensors as the adapter; the base is untouched.
+        """Bind a synced LoRA (`weights.adapter_from_sync`) as the adapter; the resident base is untouched."""
+        from dsv4flash.integrations.verl.rollout.weights import adapter_from_sync
 
-        Names are the bridge's (release names, `base_model.model.` optional): routed experts one 2-D LoRA per
-        expert, or packed 3-D per layer and projection when the sync says so (a PEFT `target_parameters` on the
-        experts, veRL's packed-MoE flag) or the names are the packed ones."""
-        from dsv4flash.integrations.mbridge.peft_export import adapter_placement
-        from dsv4flash.integrations.verl.adapter_loader import is_3d_payload
-        from dsv4flash.lora.layouts import detect_modes, from_layout
-
-        for key in ("r", "lora_alpha"):
-            if key not in peft_config:
-                raise ValueError(f"adapter sync: peft_config has no {key!r} (got keys {sorted(peft_config)})")
-        rank, alpha = int(peft_config["r"]), float(peft_config["lora_alpha"])
-        plain = {name.removeprefix(PEFT_PREFIX): t.detach().to(torch.float32, copy=True) for name, t in tensors.items()}
-        packed = is_3d_payload(peft_config) or any(_PACKED_EXPERTS.search(name) for name in plain)
-        canonical = from_layout(plain, "packed" if packed else "megatron", rank=rank, source="adapter sync")
-        wo_a_lora, _ = detect_modes(canonical)
-        try:
-            placement, _, _ = adapter_placement(canonical, self.cfg, rank=rank, alpha=alpha, wo_a_lora=wo_a_lora)
-        except ValueError as exc:
-            raise ValueError(f"adapter sync: received {exc}") from None
-        self.base.shell(placement)  # built outside the swap: generation keeps running on the old adapter
+        placement, canonical = adapter_from_sync(tensors, peft_config, self.cfg)
+        self.base.shell(placement)  # built before the swap: generation keeps running on the old adapter
         with self.base.lock:
             self.adapter = (placement, canonical)
             self.version += 1
 
     def load_base_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Copy full base tensors (release names; `.base_layer.` spellings accepted) into the resident base."""
-        from dsv4flash.integrations.verl.weight_names import strip_base_layer
-
+        """Copy base tensors (full precision or release layout, `weights.ReleaseDecoder`) into the resident base
+        -> parameters written; `finish_base_sync` ends the sync."""
         params = dict(self.base.model.named_parameters())
+        written = 0
         with self.base.lock, torch.no_grad():
             for name, t in tensors:
-                key = strip_base_layer(name.removeprefix(PEFT_PREFIX))
+                done = self._decoder.feed(name, t)
+                if done is None:
+                    continue
+                key, full = done
                 if key not in params:
                     raise KeyError(f"base sync: tensor {name!r} is not a parameter of the reference model")
-                if tuple(t.shape) != tuple(params[key].shape):
-                    raise ValueError(f"base sync: tensor {name!r} has shape {list(t.shape)}, the model expects "
+                if tuple(full.shape) != tuple(params[key].shape):
+                    raise ValueError(f"base sync: tensor {name!r} has shape {list(full.shape)}, the model expects "
                                      f"{list(params[key].shape)}")
-                params[key].copy_(t.to(params[key].dtype))
-        return len(tensors)
+                params[key].copy_(full.to(params[key].dtype))
+                written += 1
+        return written
+
+    def finish_base_sync(self) -> None:
+        """Refuse a base sync that left a quantized payload without its scale (or the reverse)."""
+        self._decoder.finish()
 
     def drop_adapter(self) -> None:
         """Sample from the bare base again (a merged, full-weight sync)."""
@@ -154,8 +151,12 @@ class RolloutEngine:
             with recorder as records:
                 out = generate(model, [(ids, types, inputs)], max_new_tokens=params.max_tokens, eos_id=eos,
                                pad_id=self.cfg.pad_token_id, temperature=params.temperature, generator=gen,
-                               logprobs_fn=lambda last: process_logits(last, params))
-            scored = None if top_prompt is None else prompt_logprobs(model, prompt_ids, ids, types, inputs, top_prompt)
+                               autocast_dtype=self.autocast, logprobs_fn=lambda last: process_logits(last, params))
+            if top_prompt is None:
+                scored = None
+            else:
+                with torch.autocast("cpu", dtype=self.autocast, enabled=self.autocast is not None):
+                    scored = prompt_logprobs(model, prompt_ids, ids, types, inputs, top_prompt)
         tokens = out.response(0)
         log_probs = out.logprobs[0][out.mask[0]].tolist()
         routes = _compact_routes(records, len(reference._gates(self.base.model)), types, len(tokens)) \

@@ -34,6 +34,8 @@ class DSV4FlashRolloutServer:
         self.global_steps = None
         self.sleeping = False
         self._pending: dict[str, object] = {}  # adapter tensors of the sync in progress
+        self._buckets = self._base_tensors = 0
+        self.last_sync: dict | None = None  # kind, buckets and tensors of the last completed sync
         self._gate = asyncio.Event()
         self._gate.set()
         self._in_flight = 0
@@ -45,7 +47,8 @@ class DSV4FlashRolloutServer:
         from dsv4flash.integrations.verl.rollout.engine import RolloutEngine
 
         path = _model_path(self.model_config)
-        self.engine = RolloutEngine(path, seed=int(self.config.seed or 0) + self.replica_rank)
+        self.engine = RolloutEngine(path, seed=int(self.config.seed or 0) + self.replica_rank,
+                                    dtype=str(self.config.dtype))
         return self.address
 
     @property
@@ -75,6 +78,8 @@ class DSV4FlashRolloutServer:
         prompt_ids = [int(t) for t in prompt_ids]
         params = dict(sampling_params)
         max_tokens = self._max_tokens(len(prompt_ids), params)
+        if self.config.full_determinism:  # as vLLM's server: one seed per replica for every request
+            params.setdefault("seed", self.replica_rank + int(self.config.seed or 0))
         want_logprobs = bool(params.pop("logprobs", False))
         ignore_eos = bool(params.pop("ignore_eos", self.config.ignore_eos))
         self._in_flight += 1
@@ -115,18 +120,30 @@ class DSV4FlashRolloutServer:
                            is_last: bool = False) -> int:
         """One bucket of a sync: adapter tensors (peft_config and base_sync_done, applied at `is_last`) or base
         tensors (loaded at once), exactly the split vLLM's worker makes."""
+        self._buckets += 1
         if peft_config and base_sync_done:
             self._pending.update(bucket)
             if is_last:
+                self.last_sync = {"kind": "adapter", "buckets": self._buckets, "tensors": len(self._pending)}
+                self._buckets = 0
                 tensors, self._pending = self._pending, {}
                 await asyncio.to_thread(self.engine.set_adapter, tensors, dict(peft_config))
                 log.info("dsv4flash rollout replica %d: adapter version %d (%d tensors)", self.replica_rank,
                          self.engine.version, len(tensors))
             return len(bucket)
         loaded = await asyncio.to_thread(self.engine.load_base_weights, list(bucket))
-        if is_last and not peft_config:
-            self.engine.drop_adapter()  # a merged (full-weight) sync replaces any adapter
+        self._base_tensors += len(bucket)
+        if is_last:
+            self.last_sync = {"kind": "base", "buckets": self._buckets, "tensors": self._base_tensors}
+            self._buckets = self._base_tensors = 0
+            self.engine.finish_base_sync()
+            if not peft_config:
+                self.engine.drop_adapter()  # a merged (full-weight) sync replaces any adapter
         return loaded
+
+    def get_last_sync(self) -> dict | None:
+        """Kind ("adapter" / "base"), bucket and tensor counts of the last completed sync."""
+        return self.last_sync
 
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                              kwargs: dict | None = None):
