@@ -55,6 +55,12 @@ bash ci/install_postgres.sh
 echo "[install] megatron-core 0.19.2 + megatron-bridge 0.6.2 (--no-deps: their full deps are CUDA builds)"
 pipi triton einops "transformers==5.10.4" peft accelerate typing_extensions
 pipi --no-deps --ignore-requires-python "megatron-core==0.19.2" "megatron-bridge==0.6.2"
+# megatron.bridge.training.config (imported by veRL's make_megatron_module) needs the energon data loader;
+# its own deps are CPU-only (webdataset, s3fs, multi-storage-client), so it installs with them.
+pipi "megatron-energon==7.4.1"
+# megatron.bridge.training.checkpointing (veRL's Megatron checkpoint save/load) imports modelopt; its deps are
+# CPU-only (scipy, PuLP, nvidia-ml-py).
+pipi "nvidia-modelopt==0.47.0"
 
 echo "[install] dsv4flash serve: the real tinker SDK 0.38.0 (its deps are CPU-only; torch/transformers stay pinned)"
 pipi "tinker==0.38.0" "starlette>=0.40" "uvicorn>=0.30" "zstandard>=0.24" "tokenizers>=0.22,<=0.23.0"

@@ -2,8 +2,8 @@
 
 megatron-core places buffers on `torch.cuda.current_device()`, seeds and forks the CUDA RNG, creates
 CUDA streams/events, sometimes passes `device="cuda"` literally and converts split sizes to numpy only for
-CUDA tensors. Its optimizer CPU offload (`HybridDeviceOptimizer`) offloads only parameters that report
-`is_cuda` and pins its host copies. Without TE or Apex (always, on a CPU) its distributed optimizer falls
+CUDA tensors, and its optimizers accept only parameters whose `type()` names CUDA. Its optimizer CPU
+offload (`HybridDeviceOptimizer`) offloads only parameters that report `is_cuda` and pins its host copies. Without TE or Apex (always, on a CPU) its distributed optimizer falls
 back to torch's Adam, whose per-parameter `step` state its resharding load does not expect. `install()`
 points all of that at the CPU (the offload keeps real, separate host copies of the "device" parameters, so
 host and device state stay distinct tensors) and completes the torch-Adam checkpoint load; `uninstall()`
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -213,6 +214,25 @@ def _load_gives_each_param_its_step(original: Callable[..., Any]) -> Callable[..
     return load_state_dict
 
 
+def _megatron_type_name(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`Tensor.type()` that reports a host tensor under its CUDA name when megatron-core's optimizer asks.
+
+    Its mixed-precision and distributed optimizers dispatch on `param.type() == 'torch.cuda.FloatTensor'`
+    (or Half/BFloat16) and refuse anything else; only calls made from `megatron.core.optimizer` see the
+    CUDA name, so no other caller can mistake a host tensor for a CUDA one.
+    """
+
+    @functools.wraps(original)
+    def type_(self, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or ".cuda." in name:
+            return name
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        return name.replace("torch.", "torch.cuda.", 1) if caller.startswith("megatron.core.optimizer") else name
+
+    return type_
+
+
 def installed() -> bool:
     """Whether the redirect is active in this process."""
     return bool(_saved)
@@ -259,6 +279,7 @@ def install() -> None:
              _states_keep_torch_adam_step(DistributedOptimizer._set_main_param_and_optimizer_states))
     _replace(DistributedOptimizer, "load_state_dict",
              _load_gives_each_param_its_step(DistributedOptimizer.load_state_dict))
+    _replace(torch.Tensor, "type", _megatron_type_name(torch.Tensor.type))
     for name in _FACTORIES:
         _replace(torch, name, _redirect_factory(getattr(torch, name)))
     rng_filter = _DropRngWarning()

@@ -1,4 +1,4 @@
-"""veRL custom reward function for the built-in tasks (`custom_reward_function.path` points at this file).
+"""veRL custom reward function for the built-in tasks (`reward.custom_reward_function.path` points at this file).
 
 veRL calls `compute_score(data_source, solution_str, ground_truth, extra_info)` once per response; the
 exported rows carry the task name as `data_source` and the example's answer/meta in `extra_info`, so the

@@ -99,14 +99,14 @@ def check_parallel_layout(eng: Any, mcfg: Any) -> None:
                              f"the {experts} routed experts; allowed: {ep_ok}")
 
 
-VERL_DTYPES = ("bfloat16", "float16")
+# float32 through DSV41-VERL-010 (stock veRL 0.9.1's Megatron engine takes bfloat16 | float16 only).
+VERL_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def check_lengths_and_dtype(eng: Any, data: Any) -> None:
     """veRL's Megatron engine dtypes; prompt + response must fit `engine.max_length`."""
     if eng.dtype not in VERL_DTYPES:
-        raise RunConfigError(f"engine.dtype={eng.dtype!r}: allowed: {list(VERL_DTYPES)} (veRL's Megatron engine "
-                             "refuses float32)")
+        raise RunConfigError(f"engine.dtype={eng.dtype!r}: allowed: {list(VERL_DTYPES)}")
     need = data.max_prompt_length + data.max_response_length
     if eng.max_length is not None and eng.max_length < need:
         raise RunConfigError(f"engine.max_length={eng.max_length} is below data.max_prompt_length + "

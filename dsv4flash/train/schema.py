@@ -36,8 +36,10 @@ class ModelConf:
 class DataConf:
     """Which built-in tasks to train on, with mixture weights and per-task options."""
 
-    # task name -> mixture weight (tasks: arithmetic, countdown, geometry)
-    tasks: dict[str, float] = field(default_factory=lambda: {"geometry": 1.0})
+    # task name -> mixture weight (tasks: arithmetic, countdown, geometry). Empty here: the data group
+    # (recipes/data/*.yaml, default geometry) fills it, and Hydra merges dicts, so a default entry would
+    # stay in every mixture (data=arithmetic would still train on geometry).
+    tasks: dict[str, float] = field(default_factory=dict)
     # task name -> constructor options (e.g. {geometry: {max_shapes: 3}})
     task_options: dict[str, Any] = field(default_factory=dict)
     # held-out problems, never drawn for training
@@ -197,7 +199,7 @@ class VerlEngine:
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 2
     expert_model_parallel_size: int = 8
-    # Megatron actor and rollout compute dtype (veRL's Megatron engine takes bfloat16 | float16)
+    # Megatron actor and rollout compute dtype: bfloat16 | float16 | float32 (float32: DSV41-VERL-010; CPU runs)
     dtype: str = "bfloat16"
     # dynamic batching: micro-batches packed up to max_length tokens per GPU instead of a fixed count
     dynamic_batching: bool = False

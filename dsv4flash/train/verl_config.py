@@ -184,8 +184,10 @@ def verl_overrides(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str
         "data.image_key": "images",
         "data.prompt_key": "prompt",
         "data.seed": cfg.seed,
-        "custom_reward_function.path": reward_path,
-        "custom_reward_function.name": "compute_score",
+        # veRL 0.9.1's reward loop reads `reward.custom_reward_function` (the top-level key is legacy and is
+        # migrated only on some trainer paths; the legacy TaskRunner's reward workers would use the default).
+        "reward.custom_reward_function.path": reward_path,
+        "reward.custom_reward_function.name": "compute_score",
         # GRPO
         "algorithm.adv_estimator": "grpo",
         "algorithm.norm_adv_by_std_in_grpo": algo.norm_adv_by_std,

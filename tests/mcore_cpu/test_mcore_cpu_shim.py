@@ -160,3 +160,26 @@ def _rank1_fails(rank: int, world_size: int) -> None:
 def test_a_failing_rank_is_reported_and_the_others_stopped():
     with pytest.raises(RuntimeError, match="gloo-rank1 exit code 1"):
         parallel.spawn_gloo(_rank1_fails, 2)
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["fp32_optimizer", "distributed_optimizer"])
+def test_megatron_optimizers_step_host_parameters(mcore_parallel, distributed):
+    """megatron-core's optimizers dispatch on `param.type()` naming CUDA: under the redirect they take fp32 host
+    parameters, while every other caller still sees the host type name."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = models.tiny_moe_config()
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(use_distributed_optimizer=distributed, grad_reduce_in_fp32=True),
+        models.tiny_gpt_moe(config))
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=distributed),
+                                       [model])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    model(**models.gpt_inputs(2, 8)).float().mean().backward()
+    model.finish_grad_sync()
+    assert optimizer.step()[0]
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert next(model.parameters()).type() == "torch.FloatTensor"  # not the optimizer asking

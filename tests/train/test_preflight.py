@@ -49,7 +49,7 @@ def test_lora_rule_on_frozen_and_adaptable_modules_is_fine():
     (["engine.rollout_tensor_parallel_size=16"], r"engine\.rollout_tensor_parallel_size=16 must divide the 8 ranks"),
     (["engine.rollout=sglangg"], r"engine\.rollout='sglangg' is not a rollout backend registered with veRL; "
                                  r"allowed: \[.*'vllm'.*\]"),
-    (["engine.dtype=float32"], r"engine\.dtype='float32': allowed: \['bfloat16', 'float16'\]"),
+    (["engine.dtype=float64"], r"engine\.dtype='float64': allowed: \['bfloat16', 'float16', 'float32'\]"),
     (["engine.max_length=64"], r"engine\.max_length=64 is below .* = 72; allowed: >= 72"),
 ])
 def test_verl_layout_errors_name_the_key_and_the_allowed_values(overrides, message):

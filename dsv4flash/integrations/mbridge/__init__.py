@@ -2,7 +2,8 @@
 
 Importing this package imports nothing from megatron-bridge. `register()` imports it, then registers
 `DSV41Bridge` for the string source "DeepseekV41ForCausalLM" (absent from transformers) with target
-`DSV41MegatronModel`, provider `DSV41ModelProvider` and model type "deepseek_v41". Megatron-Bridge's registry
+`DSV41MegatronModel`, provider `DSV41BridgeModelProvider` (`DSV41ModelProvider` as a
+`ModelProviderMixin`) and model type "deepseek_v41". Megatron-Bridge's registry
 lets the last registration of a source win silently, so `register()` re-registers only when the dispatch no
 longer resolves to this bridge (another plugin, or a future upstream V4.1 bridge, registered over it);
 calling it again is otherwise a no-op. It also applies the megatron-bridge runtime twins
@@ -24,13 +25,13 @@ import threading
 from typing import Any
 
 __all__ = ["register", "is_registered", "SOURCE", "MODEL_TYPE", "ReleasePretrained", "RowChunk", "save_release",
-           "provider_for", "DSV41LoRA", "save_peft_adapter"]
+           "provider_for", "DSV41LoRA", "save_peft_adapter", "DSV41BridgeModelProvider"]
 
 SOURCE = "DeepseekV41ForCausalLM"
 MODEL_TYPE = "deepseek_v41"
 _lock = threading.Lock()
 _LAZY = {"ReleasePretrained": "checkpoint", "save_release": "checkpoint", "RowChunk": "checkpoint",
-         "DSV41LoRA": "grouped_lora", "save_peft_adapter": "peft_export"}
+         "DSV41LoRA": "grouped_lora", "save_peft_adapter": "peft_export", "DSV41BridgeModelProvider": "provider"}
 
 
 def is_registered() -> bool:
@@ -61,10 +62,12 @@ def register() -> type:
         _patching.REGISTRY.apply_all(distribution="megatron-bridge")  # idempotent; each twin checks its gate
 
         from dsv4flash.integrations.mbridge.bridge import DSV41Bridge
-        from dsv4flash.integrations.mcore.csa2 import DSV41MegatronModel, DSV41ModelProvider
+        from dsv4flash.integrations.mbridge.provider import DSV41BridgeModelProvider
+        from dsv4flash.integrations.mcore.csa2 import DSV41MegatronModel
 
         if not is_registered():
-            MegatronModelBridge.register_bridge(source=SOURCE, target=DSV41MegatronModel, provider=DSV41ModelProvider,
+            MegatronModelBridge.register_bridge(source=SOURCE, target=DSV41MegatronModel,
+                                                provider=DSV41BridgeModelProvider,
                                                 model_type=MODEL_TYPE)(DSV41Bridge)
         return DSV41Bridge
 

@@ -21,6 +21,7 @@ Megatron-Core model (`DSV41MegatronModel`, built by `DSV41ModelProvider`).
 
 from __future__ import annotations
 
+import re
 from typing import Iterable, Iterator, List, Mapping, Optional, Union
 
 import torch
@@ -38,6 +39,7 @@ __all__ = ["DSV41Bridge", "SOURCE", "MODEL_TYPE"]
 SOURCE = "DeepseekV41ForCausalLM"
 MODEL_TYPE = "deepseek_v41"
 _QUANTIZED = (QuantRole.DENSE_FP8, QuantRole.EXPERT_MXFP4, QuantRole.ENGRAM_FP8)
+_WIDE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class DSV41Bridge(MegatronModelBridge):
@@ -48,10 +50,10 @@ class DSV41Bridge(MegatronModelBridge):
 
     # ---- model -----------------------------------------------------------------------------------------
     def provider_bridge(self, hf_pretrained):
-        """A `DSV41ModelProvider` for the checkpoint's `config.json`."""
-        from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider
+        """A Megatron-Bridge provider (`DSV41BridgeModelProvider`) for the checkpoint's `config.json`."""
+        from dsv4flash.integrations.mbridge.provider import DSV41BridgeModelProvider
 
-        return DSV41ModelProvider(release_config(hf_pretrained))
+        return DSV41BridgeModelProvider(release_config(hf_pretrained))
 
     @classmethod
     def megatron_to_hf_config(cls, provider) -> dict:
@@ -84,7 +86,9 @@ class DSV41Bridge(MegatronModelBridge):
 
     def _load(self, name: str, hf_state_dict) -> torch.Tensor:
         role = quant_role(name)
-        if role not in _QUANTIZED:
+        # A dequantized checkpoint (a dsv4flash base, a BF16 conversion) stores these in a wide float dtype
+        # and carries no `.scale`: it is read as is.
+        if role not in _QUANTIZED or _stored_dtype(name, hf_state_dict) in _WIDE_FLOATS:
             return hf_state_dict[name]
         q, s = hf_state_dict[name], hf_state_dict[scale_name(name)]
         return codecs.decode(role, q, s, dtype=self.decode_dtype, name=name)
@@ -178,9 +182,48 @@ class DSV41Bridge(MegatronModelBridge):
             b = _gather_groups(b)
             yield HFWeightTuple(f"{stem}.lora_A.weight", a.cpu() if cpu else a)
             yield HFWeightTuple(f"{stem}.lora_B.weight", b.cpu() if cpu else b)
-        yield from super().stream_adapter_weights_megatron_to_hf(
+        yield from _with_all_expert_adapters(super().stream_adapter_weights_megatron_to_hf(
             megatron_model, cpu=cpu, show_progress=show_progress,
-            exclude_adapter_base_prefixes=excluded + list(grouped))
+            exclude_adapter_base_prefixes=excluded + list(grouped)), _sequential_experts(models))
+
+
+_EXPERT_ADAPTER = re.compile(r"(\.ffn\.experts\.)(\d+)(\.)")
+
+
+def _sequential_experts(models: List[torch.nn.Module]) -> int:
+    """The routed-expert count when the experts are sequential (`.local_experts.N`), else 0 (grouped GEMM:
+    Megatron-Bridge gathers those adapters over EP itself)."""
+    sequential = any(".local_experts." in name for name, _ in models[0].named_parameters())
+    return models[0].config.num_moe_experts if sequential else 0
+
+
+def _with_all_expert_adapters(tuples: Iterable[HFWeightTuple], num_experts: int) -> Iterator[HFWeightTuple]:
+    """Every expert's adapters, under global expert numbers, on every expert-parallel rank.
+
+    Megatron-Bridge 0.6 does not shard adapter names over EP ("adapters are not sharded across EP ranks",
+    `_megatron_local_name_to_global`): with sequential experts (`.local_experts.N`) each EP rank exports only
+    its own experts' factors, numbered locally 0 … E/EP−1, so a rollout fed by rank 0 would get the wrong
+    factors for experts E/EP … E−1. Here each rank renumbers its per-expert factors (global = EP rank · E/EP +
+    local) and all ranks exchange them. Non-expert adapters stream through as they come; the exchanged
+    expert factors are host tensors (they travel as pickled objects).
+    """
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if ep == 1 or not num_experts:
+        yield from tuples
+        return
+    first = parallel_state.get_expert_model_parallel_rank() * (num_experts // ep)
+    local = []
+    for item in tuples:
+        if _EXPERT_ADAPTER.search(item.param_name):
+            name = _EXPERT_ADAPTER.sub(lambda m: f"{m[1]}{int(m[2]) + first}{m[3]}", item.param_name, count=1)
+            local.append((name, item.weight.detach().cpu()))
+        else:
+            yield item
+    gathered: list = [None] * ep
+    torch.distributed.all_gather_object(gathered, local, group=parallel_state.get_expert_model_parallel_group())
+    for rank_pairs in gathered:
+        for name, weight in rank_pairs:
+            yield HFWeightTuple(name, weight)
 
 
 def release_config(hf_pretrained) -> DSV41FlashConfig:
@@ -249,8 +292,18 @@ def _fill_table(table, name: str, hf_state_dict, rows_per_chunk: int = 1 << 16) 
     total = _rows(hf_state_dict, name)
     if total != table.weight.shape[0]:
         raise ValueError(f"{name}: {total} rows in the checkpoint, the host table has {table.weight.shape[0]}")
+    wide = _stored_dtype(name, hf_state_dict) in _WIDE_FLOATS  # a dequantized checkpoint: no `.scale`
     for r0 in range(0, total, rows_per_chunk):
         r1 = min(total, r0 + rows_per_chunk)
+        if wide:
+            rows = _read_rows(hf_state_dict, name, r0, r1)
+            if table.fp8:
+                q, s = codecs.encode_engram_fp8(rows.float(), name=name)
+                table.weight[r0:r1].view(torch.uint8).copy_(q.view(torch.uint8))
+                table.scale[r0:r1].view(torch.uint8).copy_(s.view(torch.uint8))
+            else:
+                table.weight[r0:r1].copy_(rows)
+            continue
         q, s = _read_rows(hf_state_dict, name, r0, r1), _read_rows(hf_state_dict, scale, r0, r1)
         if table.fp8:
             table.weight[r0:r1].view(torch.uint8).copy_(q.view(torch.uint8))

@@ -14,7 +14,9 @@ vLLM on a trainer node, no megatron-core on a rollout node) is skipped and repor
 * DSV41-VERL-005 — adapter syncs reset vLLM's encoder cache (vision outputs are adapter-dependent);
 * DSV41-VERL-006 — the default process-group backend on a CPU platform is `cpu:gloo`;
 * DSV41-VERL-007 — the Ray resource check counts the platform's own resource;
-* DSV41-VERL-008 — `register_rollout`, a public register function for rollout backends.
+* DSV41-VERL-008 — `register_rollout`, a public register function for rollout backends;
+* DSV41-VERL-009 — the Megatron engine takes a provider's own PEFT (`provider.provide_peft`);
+* DSV41-VERL-010 — the Megatron engine accepts `dtype=float32` (full precision).
 
 Loading the plugin also registers the CPU development platform (`cpu_platform`, `VERL_PLATFORM=cpu`) and,
 once `megatron.bridge` is imported, the project's Megatron-Bridge bridge (`register_bridge_when_imported`).
@@ -45,6 +47,8 @@ TRIGGERS = {
     "DSV41-VERL-006": "verl.utils.distributed",
     "DSV41-VERL-007": "verl.single_controller.ray.base",
     "DSV41-VERL-008": "verl.workers.rollout.base",
+    "DSV41-VERL-009": "verl.workers.config.megatron_peft",
+    "DSV41-VERL-010": "verl.workers.config.engine",
 }
 OUTCOMES: dict = {}
 

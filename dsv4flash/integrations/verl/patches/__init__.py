@@ -10,6 +10,8 @@
 | DSV41-VERL-006 | `gloo_backend_string` | `cpu:gloo` alone as the default backend on a CPU platform      |
 | DSV41-VERL-007 | `ray_resource_check`  | the Ray resource check counts the platform's resource          |
 | DSV41-VERL-008 | `rollout_register`    | `register_rollout`: a public register function for rollouts    |
+| DSV41-VERL-009 | `provider_peft`       | the Megatron engine takes a provider's own PEFT (`provide_peft`) |
+| DSV41-VERL-010 | `fp32_engine`         | the Megatron engine accepts `dtype=float32`                    |
 
 The upstream form of each lives in `patches/verl/` under the same Patch-Id. Importing these modules never
 imports veRL; `install()` does.
