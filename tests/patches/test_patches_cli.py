@@ -192,6 +192,22 @@ def test_check_fails_on_a_patch_importing_dsv4flash(fake, capsys, line):
         capsys.readouterr().out)
 
 
+@pytest.mark.parametrize("path, data, kind", [
+    ("fakeup/__pycache__/core.cpython-311.pyc", b"\xa7\r\r\n\x00\x00\x00\x00", "compiled Python file"),
+    ("fakeup/core.pyc", b"\xa7\r\r\n\x00\x00\x00\x00", "compiled Python file"),
+    ("fakeup/__pycache__/notes.txt", b"text, but under __pycache__\n", "compiled Python file"),
+    ("fakeup/table.bin", bytes(range(256)), "binary file"),
+], ids=["pycache", "pyc", "pycache-text", "binary"])
+def test_check_rejects_compiled_and_binary_files(fake, capsys, path, data, kind):
+    fake.add_patch("fix(core): answer 42", ANSWER_FIX, trailers("FAKE-001"), new_files={path: data})
+    fake.add_twin("FAKE-001")
+    main(fake.cli("index"))
+    assert main(fake.cli("check", *fake.offline())) == 1
+    out = capsys.readouterr().out
+    assert f"fakeup/0001-fix-core-answer-42.patch: adds or modifies {kind} {path}; an upstream patch " \
+           "carries source only" in out, out
+
+
 def test_base_checkout_keeps_bytecode_out_of_commits(fake, tmp_path):
     """Running a `patches base` tree writes __pycache__/; `git add -A` there must not stage it."""
     _good_series(fake)
