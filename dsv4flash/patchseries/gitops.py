@@ -26,6 +26,9 @@ GIT_ENV = {
     "LC_ALL": "C",
 }
 CONFLICT_RE = re.compile(r"^(<{7}|>{7})( |$)", re.M)
+# Importing a scratch tree (running its tests) writes bytecode next to the sources; `git add -A` must not
+# pick it up, or `git format-patch` ships binary hunks no upstream reviewer would take.
+SCRATCH_EXCLUDES = ("__pycache__/", "*.py[cod]")
 
 
 class GitError(RuntimeError):
@@ -42,10 +45,16 @@ def git(cwd: Path, *args: str, check: bool = True, env: dict | None = None) -> s
 
 
 def init_repo(repo: Path, files: dict[str, Path], message: str) -> str:
-    """Create `repo` holding `files` (repo path -> source file) in one commit; returns its sha."""
+    """Create `repo` holding `files` (repo path -> source file) in one commit; returns its sha.
+
+    The repository ignores `SCRATCH_EXCLUDES` (bytecode), so commits made in it stay source-only.
+    """
     repo.mkdir(parents=True, exist_ok=True)
     git(repo, "init", "-q", "-b", "base")
     git(repo, "config", "core.autocrlf", "false")
+    exclude = repo / ".git" / "info" / "exclude"
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    exclude.write_text("".join(f"{pattern}\n" for pattern in SCRATCH_EXCLUDES))
     for rel, src in files.items():
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, repo / rel)

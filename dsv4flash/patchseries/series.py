@@ -36,6 +36,10 @@ TRAILER_LINE_RE = re.compile(r"^(?P<key>[A-Za-z0-9][A-Za-z0-9-]*):\s*(?P<value>.
 PROJECT_IMPORT_RE = re.compile(
     r"^\s*(?:import\s+dsv4flash\w*|from\s+dsv4flash\w*(?:\.[\w.]+)?\s+import\b|.*\bimport_module\(\s*['\"]dsv4flash)"
 )
+# Bytecode a scratch tree writes when it is imported; upstream patches carry source only.
+COMPILED_PATH_RE = re.compile(r"(^|/)__pycache__/|\.py[cod]$")
+DIFF_HEADER_RE = re.compile(r"^diff --git a/(?P<old>.+) b/(?P<new>.+)$", re.M)
+BINARY_HUNK_RE = re.compile(r"^(GIT binary patch|Binary files .* differ)$", re.M)
 BOTH_FORMS_RE = re.compile(r"^PATCH_ID\s*=\s*['\"](?P<id>[^'\"]+)['\"]", re.M)
 
 
@@ -329,6 +333,23 @@ def project_imports(patch: PatchFile) -> list[str]:
     return hits
 
 
+def compiled_or_binary(patch: PatchFile) -> list[tuple[str, str]]:
+    """(path, kind) of every file the diff adds or modifies that is bytecode, under `__pycache__/`, or binary."""
+    hits = []
+    headers = list(DIFF_HEADER_RE.finditer(patch.diff))
+    for n, header in enumerate(headers):
+        end = headers[n + 1].start() if n + 1 < len(headers) else len(patch.diff)
+        section = patch.diff[header.end():end]
+        if re.search(r"^deleted file mode ", section, re.M):
+            continue  # removing such a file is what a clean-up patch does
+        path = header.group("new")
+        if COMPILED_PATH_RE.search(path):
+            hits.append((path, "compiled Python file"))
+        elif BINARY_HUNK_RE.search(section):
+            hits.append((path, "binary file"))
+    return hits
+
+
 def both_forms_tests(patch: PatchFile, root: Path) -> list[str]:
     """The patch's Tests files that declare its Patch-Id and use the `patch_form` harness (both forms)."""
     out = []
@@ -397,6 +418,9 @@ def _validate_patch(series: Series, index: int, patch: PatchFile, root: Path) ->
     for hit in project_imports(patch):
         out.append(Problem(where, f"adds an import of dsv4flash at {hit}; an upstream patch must not depend on "
                                   "dsv4flash"))
+    for path, kind in compiled_or_binary(patch):
+        out.append(Problem(where, f"adds or modifies {kind} {path}; an upstream patch carries source only "
+                                  "(rebuild it in a `dsv4flash patches base` tree, which ignores bytecode)"))
     for sym in patch.many("Touches"):
         if touched_file(sym, patch.files, series.base.repo_prefix) is None:
             out.append(Problem(where, f"Touches {sym} is not in any file the diff changes ({', '.join(patch.files)})"))

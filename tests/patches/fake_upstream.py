@@ -140,13 +140,20 @@ class FakeProject:
         gitops.init_repo(self._repo, sources, "fakeup 1.0")
 
     def add_patch(self, subject: str, edit: dict[str, tuple[str, str]], tr: dict[str, str],
-                  body: str = "Why: because.\n\nHow: like this.") -> Path:
-        """Commit `edit` (path -> (old, new) text) on top of the previous patches and format-patch it."""
+                  body: str = "Why: because.\n\nHow: like this.", new_files: dict[str, bytes] | None = None) -> Path:
+        """Commit `edit` (path -> (old, new) text) and `new_files` on top of the previous patches; format-patch it.
+
+        `new_files` are force-added, past the scratch repository's bytecode excludes.
+        """
         for rel, (old, new) in edit.items():
             path = self._repo / rel
             text = path.read_text()
             assert old in text, f"{old!r} not in {rel}"
             path.write_text(text.replace(old, new, 1))
+        for rel, data in (new_files or {}).items():
+            (self._repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            (self._repo / rel).write_bytes(data)
+            gitops.git(self._repo, "add", "-f", rel)
         if tr.get("Tests") == test_file(tr.get("Patch-Id", "")):
             (self.project / tr["Tests"]).write_text(BOTH_FORMS_TEST.format(patch_id=tr["Patch-Id"]))
         message = f"{subject}\n\n{body}\n\n" + "\n".join(f"{k}: {v}" for k, v in tr.items()) + "\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -189,6 +190,38 @@ def test_check_fails_on_a_patch_importing_dsv4flash(fake, capsys, line):
     assert main(fake.cli("check", *fake.offline())) == 1
     assert "adds an import of dsv4flash at fakeup/core.py:6; an upstream patch must not depend on dsv4flash" in (
         capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("path, data, kind", [
+    ("fakeup/__pycache__/core.cpython-311.pyc", b"\xa7\r\r\n\x00\x00\x00\x00", "compiled Python file"),
+    ("fakeup/core.pyc", b"\xa7\r\r\n\x00\x00\x00\x00", "compiled Python file"),
+    ("fakeup/__pycache__/notes.txt", b"text, but under __pycache__\n", "compiled Python file"),
+    ("fakeup/table.bin", bytes(range(256)), "binary file"),
+], ids=["pycache", "pyc", "pycache-text", "binary"])
+def test_check_rejects_compiled_and_binary_files(fake, capsys, path, data, kind):
+    fake.add_patch("fix(core): answer 42", ANSWER_FIX, trailers("FAKE-001"), new_files={path: data})
+    fake.add_twin("FAKE-001")
+    main(fake.cli("index"))
+    assert main(fake.cli("check", *fake.offline())) == 1
+    out = capsys.readouterr().out
+    assert f"fakeup/0001-fix-core-answer-42.patch: adds or modifies {kind} {path}; an upstream patch " \
+           "carries source only" in out, out
+
+
+def test_base_checkout_keeps_bytecode_out_of_commits(fake, tmp_path):
+    """Running a `patches base` tree writes __pycache__/; `git add -A` there must not stage it."""
+    _good_series(fake)
+    checkout = tmp_path / "checkout"
+    assert main(fake.cli("base", "fakeup", str(checkout), *fake.offline())) == 0
+    assert main(fake.cli("apply", str(checkout), "--target", "fakeup")) == 0
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    subprocess.run([sys.executable, "-c", "import fakeup.core; assert fakeup.core.answer() == 42"],
+                   env=env, check=True, cwd=tmp_path)
+    assert list((checkout / "fakeup" / "__pycache__").glob("core.*.pyc"))
+    (checkout / "fakeup" / "core.py").write_text((checkout / "fakeup" / "core.py").read_text() + "\n# edit\n")
+    run_git(checkout, "add", "-A")
+    assert run_git(checkout, "diff", "--cached", "--name-only").split() == ["fakeup/core.py"]
 
 
 def test_check_fails_when_no_test_covers_both_forms(fake, capsys):
