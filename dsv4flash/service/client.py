@@ -37,6 +37,9 @@ class ServiceClient:
         self.store = AdapterStore(self.root)
         self.store_lock = threading.Lock()
         self.checkpoints = CheckpointRegistry(self.root)
+        from dsv4flash.service.compute.stability import SequenceRecords
+
+        self.sequences = SequenceRecords()  # record_stability_info samples, for stable_reinforce's provenance
         self._tokenizer = None
         # At start, not on the first create_lora_training_client: the census behind it builds the model on meta
         # (seconds in a fresh process, torch's meta-init path included), which would otherwise stall the first
@@ -83,12 +86,16 @@ class ServiceClient:
         return self._from_state(path, True, user_metadata, run_id)
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
-                               retry_config=None) -> SamplingClient:
+                               retry_config=None, record_stability_info: bool = False) -> SamplingClient:
         """Sample from a saved checkpoint, or from the bare base when only `base_model` is given."""
         if model_path is None:
-            return SamplingClient(self, None, None, "base")
-        tensors, _, pc = self._read_checkpoint(model_path, False)
-        return SamplingClient(self, pc, tensors, ParsedCheckpointTinkerPath.from_tinker_path(model_path).checkpoint_id)
+            client = SamplingClient(self, None, None, "base")
+        else:
+            tensors, _, pc = self._read_checkpoint(model_path, False)
+            client = SamplingClient(self, pc, tensors,
+                                    ParsedCheckpointTinkerPath.from_tinker_path(model_path).checkpoint_id)
+        client.record_stability_info = bool(record_stability_info)
+        return client
 
     def create_rest_client(self):
         """Run and checkpoint management (list, delete, publish, TTL, archive URL)."""

@@ -1,0 +1,180 @@
+"""Tinker 0.38's `gspo` and `stable_reinforce` losses, provenance spans and `topk_sample_logprobs`: the loss
+gradients against hand-written formulas, then the real `tinker` SDK (and tinker-cookbook's provenance helper)
+through `dsv4flash serve`, each equal to the same calls on the in-process service core."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("tinker")
+
+import tinker  # noqa: E402
+from tinker import types  # noqa: E402
+
+import dsv4flash.service as core  # noqa: E402
+from dsv4flash.service.compute import losses  # noqa: E402
+from dsv4flash.service.compute.stability import Provenance  # noqa: E402
+
+LP = torch.tensor([-1.2, -0.3, -2.0, -0.7, -1.1], dtype=torch.float64)
+Q = torch.tensor([0.0, -0.5, -1.9, -0.9, -1.0], dtype=torch.float64)
+ADV = torch.tensor([0.0, 1.5, 1.5, -0.5, -0.5], dtype=torch.float64)
+MASK = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+
+
+def _grad(loss_fn, config=None, provenance=None, mask=MASK):
+    logp = LP.clone().requires_grad_(True)
+    inputs = {"logprobs": Q, "advantages": ADV, **({"sequence_ratio_mask": mask} if mask is not None else {})}
+    losses.datum_loss(loss_fn, logp, inputs, config, provenance).backward()
+    return logp.grad
+
+
+@pytest.mark.parametrize("low,high", [(0.0, 10.0), (1 - 3e-4, 1 + 4e-4), (0.95, 1.02)])
+def test_gspo_gradient_is_the_sequence_ratio_formula(low, high):
+    s = float(np.exp(np.mean((LP - Q).numpy()[1:])))  # geometric-mean ratio over the masked tokens
+    clipped = min(max(s, low), high)
+    want = [-a * s if (s * a <= clipped * a or low <= s <= high) else 0.0 for a in ADV.tolist()]
+    got = _grad("gspo", {"clip_low_threshold": low, "clip_high_threshold": high})
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-15)
+    # without a mask the ratio runs over every token
+    s_all = float(np.exp(np.mean((LP - Q).numpy())))
+    np.testing.assert_allclose(_grad("gspo", {"clip_low_threshold": 0.0, "clip_high_threshold": 9.0}, mask=None),
+                               -ADV.numpy() * s_all, rtol=1e-12)
+
+
+@pytest.mark.parametrize("cap,kl", [(2.0, 0.0), (1.05, 0.3)])
+def test_stable_reinforce_gradient_is_truncated_is_on_sampled_tokens(cap, kl):
+    sampled = torch.tensor([False, True, True, True, True])
+    mu = torch.tensor([0.0, -0.2, -2.5, -0.9, -0.8])  # the recorded sampler log-probs (not the client's Q)
+    prov = Provenance(sampled, mu)
+    w = np.minimum(np.exp(LP.numpy() - mu.double().numpy()), cap)
+    want = np.where(sampled.numpy(), -w * ADV.numpy() + kl * (LP.numpy() - mu.double().numpy()), 0.0)
+    got = _grad("stable_reinforce", {"clip_high_threshold": cap, "kl_coeff": kl}, prov)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+    with pytest.raises(ValueError, match="advantages position 1 is nonzero"):
+        _grad("stable_reinforce", None, Provenance(torch.tensor([True, False, True, True, True]), mu))
+    with pytest.raises(ValueError, match="needs provenance"):
+        _grad("stable_reinforce", None, None)
+
+
+def test_loss_fn_config_options_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"loss_fn_config\['beta'\]: not an option of loss_fn 'gspo'"):
+        losses.check_config("gspo", {"beta": 0.1})
+    with pytest.raises(ValueError, match=r"loss_fn_config\['clip_low_threshold'\]: not an option.*stable_reinforce"):
+        losses.check_config("stable_reinforce", {"clip_low_threshold": 0.5})
+    losses.check_config("stable_reinforce", {"kl_coeff": 0.1, "clip_high_threshold": 3.0})
+
+
+PROMPT = [0, 10, 11, 12]
+
+
+def _rl_data(mod, prompt, seqs, loss_fn, provenance):
+    """tinker-cookbook rl_loop's datums (gspo: sequence_ratio_mask; stable_reinforce: its provenance helper)."""
+    rewards = np.array([np.mean([t % 2 == 0 for t in s.tokens]) for s in seqs])
+    data = []
+    for s, a in zip(seqs, rewards - rewards.mean()):
+        ob = len(prompt) - 1
+        inputs = {"target_tokens": np.array([0] * ob + list(s.tokens), dtype=np.int64),
+                  "logprobs": np.array([0.0] * ob + list(s.logprobs), dtype=np.float32),
+                  "advantages": np.array([0.0] * ob + [a] * len(s.tokens), dtype=np.float32)}
+        if loss_fn == "gspo":
+            inputs["sequence_ratio_mask"] = np.array([0.0] * ob + [1.0] * len(s.tokens), dtype=np.float32)
+        d = mod.Datum(model_input=mod.ModelInput.from_ints(prompt + list(s.tokens[:-1])), loss_fn_inputs=inputs)
+        data.append(provenance(d, len(prompt), len(s.tokens), s.sequence_id) if provenance else d)
+    return data
+
+
+def _core_provenance(datum, prompt_length, num_sampled, sequence_id):
+    return datum.with_provenance(
+        model_input=[core.PromptProvenanceSpan(sequence_id=sequence_id, length=prompt_length),
+                     core.SampledProvenanceSpan(sequence_id=sequence_id, length=num_sampled - 1)],
+        loss_fn_inputs=[core.PromptProvenanceSpan(sequence_id=sequence_id, offset=1, length=prompt_length - 1),
+                        core.SampledProvenanceSpan(sequence_id=sequence_id, length=num_sampled)])
+
+
+@pytest.mark.parametrize("loss_fn", ["gspo", "stable_reinforce"])
+def test_sdk_rl_steps_match_in_process_core(sdk, resident, tmp_path, loss_fn):
+    from tinker_cookbook.recipes.rl_loop import with_sampled_provenance  # the cookbook's own span builder
+
+    record = loss_fn == "stable_reinforce"
+    tc = sdk.create_lora_training_client(base_model="tiny", rank=4).result()
+    local = core.ServiceClient(root=tmp_path, resident=resident).create_lora_training_client(base_model="tiny", rank=4)
+    params = types.SamplingParams(max_tokens=4, seed=5, temperature=1.0)
+    config = {"kl_coeff": 0.1} if record else {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}
+    for _ in range(2):
+        sampler = tc.save_weights_and_get_sampling_client(record_stability_info=record).result()
+        seqs = sampler.sample(types.ModelInput.from_ints(PROMPT), 4, params).result().sequences
+        local_seqs = local.save_weights_and_get_sampling_client(record_stability_info=record).sample(
+            core.types.ModelInput.from_ints(PROMPT), 4, core.types.SamplingParams(max_tokens=4, seed=5)).result()
+        assert [list(s.tokens) for s in seqs] == [s.tokens for s in local_seqs.sequences]
+        data = _rl_data(types, PROMPT, seqs, loss_fn, with_sampled_provenance if record else None)
+        local_data = _rl_data(core.types, PROMPT, local_seqs.sequences, loss_fn, _core_provenance if record else None)
+        out = tc.forward_backward(data, loss_fn, loss_fn_config=config).result()
+        ref = local.forward_backward(local_data, loss_fn, config).result()
+        assert np.isfinite(out.metrics["loss:sum"]) and out.metrics["loss:sum"] == ref.metrics["loss:sum"]
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        local.optim_step(core.types.AdamParams(learning_rate=2e-2)).result()
+    after = tc.forward(data[:1], loss_fn, loss_fn_config=config).result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert not np.array_equal(after[len(PROMPT) - 1:], data[0].loss_fn_inputs["logprobs"].to_numpy()[len(PROMPT) - 1:])
+    with pytest.raises(tinker.BadRequestError, match="not an option of loss_fn"):
+        tc.forward_backward(data, loss_fn, loss_fn_config={"nonsense": 1.0}).result()
+
+
+def test_provenance_spans_are_validated_per_tenant(server, sdk):
+    from tests.service.http_server import service_client
+    from tinker_cookbook.recipes.rl_loop import with_sampled_provenance
+
+    tc = sdk.create_lora_training_client(base_model="tiny", rank=4).result()
+    params = types.SamplingParams(max_tokens=3, seed=2, temperature=1.0)
+    seqs = tc.save_weights_and_get_sampling_client(record_stability_info=True).result().sample(
+        types.ModelInput.from_ints(PROMPT), 2, params).result().sequences
+    good = _rl_data(types, PROMPT, seqs, "stable_reinforce", with_sampled_provenance)
+    assert np.isfinite(tc.forward(good, "stable_reinforce").result().metrics["loss:sum"])
+
+    def swap_id(datum, sequence_id):
+        return datum.with_provenance(model_input=[type(s)(sequence_id=sequence_id, offset=s.offset, length=s.length)
+                                                  for s in datum.model_input_spans],
+                                     loss_fn_inputs=[type(s)(sequence_id=sequence_id, offset=s.offset,
+                                                             length=s.length) for s in datum.loss_fn_input_spans])
+
+    with pytest.raises(tinker.BadRequestError, match=r"data\[0\]\.model_input_spans\[0\]\.sequence_id: 'nope:0' is "
+                                                     r"not a sequence this tenant sampled"):
+        tc.forward([swap_id(good[0], "nope:0")], "stable_reinforce").result()
+    # bob's recorded sequence reads to alice exactly as an unknown one
+    with service_client(server, "bob") as bob:
+        btc = bob.create_lora_training_client(base_model="tiny", rank=4).result()
+        theirs = btc.save_weights_and_get_sampling_client(record_stability_info=True).result().sample(
+            types.ModelInput.from_ints(PROMPT), 1, params).result().sequences[0]
+    with pytest.raises(tinker.BadRequestError, match=rf"sequence_id: '{theirs.sequence_id}' is not a sequence this "
+                                                     r"tenant sampled"):
+        tc.forward([swap_id(good[0], theirs.sequence_id)], "stable_reinforce").result()
+    # a sampled run must reproduce the recorded tokens
+    bad = types.Datum(model_input=good[0].model_input,
+                      loss_fn_inputs={**good[0].loss_fn_inputs, "target_tokens": types.TensorData.from_numpy(
+                          np.array([0] * 3 + [(seqs[0].tokens[0] + 1) % 64] + list(seqs[0].tokens[1:]), np.int64))})
+    bad = bad.with_provenance(model_input=good[0].model_input_spans, loss_fn_inputs=good[0].loss_fn_input_spans)
+    with pytest.raises(tinker.BadRequestError, match=r"data\[0\]\.loss_fn_input_spans\[1\]: position 3 is token"):
+        tc.forward([bad], "stable_reinforce").result()
+    # not recorded (record_stability_info off): unknown too
+    plain = tc.save_weights_and_get_sampling_client().result().sample(
+        types.ModelInput.from_ints(PROMPT), 1, params).result().sequences
+    with pytest.raises(tinker.BadRequestError, match="is not a sequence this tenant sampled"):
+        tc.forward(_rl_data(types, PROMPT, plain, "stable_reinforce", with_sampled_provenance)[:1],
+                   "stable_reinforce").result()
+
+
+def test_topk_sample_logprobs_are_the_sampling_distributions_top_k(sdk, resident):
+    from dsv4flash.service.compute.sampling import process_logits
+
+    sampler = sdk.create_sampling_client(base_model="tiny").result()
+    params = types.SamplingParams(max_tokens=5, seed=3, temperature=0.7, top_k=6)
+    seq = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, params, topk_sample_logprobs=4).result().sequences[0]
+    assert seq.topk_logprobs is not None and len(seq.topk_logprobs) == len(seq.tokens)
+    with torch.no_grad():
+        logits = resident.model(torch.tensor([PROMPT + list(seq.tokens[:-1])]))[0, len(PROMPT) - 1:]  # [T,V]
+    ref = process_logits(logits, core.types.SamplingParams(max_tokens=5, temperature=0.7, top_k=6)).topk(4, -1)
+    for row, ids, vals, tok, lp in zip(seq.topk_logprobs, ref.indices, ref.values, seq.tokens, seq.logprobs):
+        assert [t for t, _ in row] == ids.tolist()
+        np.testing.assert_allclose([v for _, v in row], vals.numpy(), atol=2e-5)
+        assert dict(row).get(tok, lp) == pytest.approx(lp, abs=1e-6)  # the sampled token's own log-prob agrees
