@@ -37,10 +37,12 @@ def test_gspo_gradient_is_the_sequence_ratio_formula(low, high):
     want = [-a * s if (s * a <= clipped * a or low <= s <= high) else 0.0 for a in ADV.tolist()]
     got = _grad("gspo", {"clip_low_threshold": low, "clip_high_threshold": high})
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-15)
-    # without a mask the ratio runs over every token
-    s_all = float(np.exp(np.mean((LP - Q).numpy())))
-    np.testing.assert_allclose(_grad("gspo", {"clip_low_threshold": 0.0, "clip_high_threshold": 9.0}, mask=None),
-                               -ADV.numpy() * s_all, rtol=1e-12)
+    # without a mask the ratio runs over the trained (nonzero-advantage) tokens, never the padded prompt row
+    wide = {"clip_low_threshold": 0.0, "clip_high_threshold": 9.0}
+    s_wide = float(np.exp(np.mean((LP - Q).numpy()[1:])))
+    np.testing.assert_allclose(_grad("gspo", wide, mask=None), -ADV.numpy() * s_wide, rtol=1e-12)
+    with pytest.raises(ValueError, match="sequence_ratio_mask marks no token"):
+        _grad("gspo", wide, mask=torch.zeros(5, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("cap,kl", [(2.0, 0.0), (1.05, 0.3)])
@@ -156,12 +158,17 @@ def test_provenance_spans_are_validated_per_tenant(server, sdk):
     bad = bad.with_provenance(model_input=good[0].model_input_spans, loss_fn_inputs=good[0].loss_fn_input_spans)
     with pytest.raises(tinker.BadRequestError, match=r"data\[0\]\.loss_fn_input_spans\[1\]: position 3 is token"):
         tc.forward([bad], "stable_reinforce").result()
-    # not recorded (record_stability_info off): unknown too
+    # sampled without record_stability_info: fine as provenance of another loss, refused for stable_reinforce
     plain = tc.save_weights_and_get_sampling_client().result().sample(
         types.ModelInput.from_ints(PROMPT), 1, params).result().sequences
+    plain_data = _rl_data(types, PROMPT, plain, "stable_reinforce", with_sampled_provenance)[:1]
+    assert np.isfinite(tc.forward(plain_data, "importance_sampling").result().metrics["loss:sum"])
+    with pytest.raises(tinker.BadRequestError, match=r"loss_fn_input_spans\[1\]\.sequence_id: .* was sampled "
+                                                     r"without record_stability_info"):
+        tc.forward(plain_data, "stable_reinforce").result()
+    # an unknown sequence is refused whatever the loss
     with pytest.raises(tinker.BadRequestError, match="is not a sequence this tenant sampled"):
-        tc.forward(_rl_data(types, PROMPT, plain, "stable_reinforce", with_sampled_provenance)[:1],
-                   "stable_reinforce").result()
+        tc.forward([swap_id(plain_data[0], "nope:1")], "importance_sampling").result()
 
 
 def test_topk_sample_logprobs_are_the_sampling_distributions_top_k(sdk, resident):

@@ -87,9 +87,13 @@ def datum_loss(loss_fn: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor]
     high = float(config.get("clip_high_threshold", high))
     if loss_fn == "gspo":
         mask = inputs.get("sequence_ratio_mask")
-        in_ratio = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask != 0
+        # Without a mask the ratio runs over the trained tokens (nonzero advantage): Tinker's recipes pad the
+        # prompt rows with logprobs 0, which must not enter it (tinker-cookbook's rl.train sends no mask).
+        in_ratio = (adv != 0) if mask is None else mask != 0
         if not bool(in_ratio.any()):
-            raise ValueError("gspo: sequence_ratio_mask marks no token (the sequence ratio needs at least one)")
+            if mask is not None:
+                raise ValueError("gspo: sequence_ratio_mask marks no token (the sequence ratio needs at least one)")
+            return (0.0 * logp).sum()  # every advantage is 0: nothing to train
         # GSPO-token: every token carries the sequence ratio's value, but the gradient of its own log p.
         log_seq_ratio = (logp.detach() - sampler_logp)[in_ratio].mean()
         ratio = torch.exp(log_seq_ratio + logp - logp.detach())  # [L]

@@ -73,8 +73,8 @@ class SamplingClient:
                sequence_ids: list[str] | None = None, owner: str = LOCAL_OWNER) -> APIFuture:
         """`num_samples` continuations of `prompt` -> SampleResponse (logprobs under the sampling distribution).
 
-        Each sequence gets a `sequence_id` (`sequence_ids`, else fresh ones); with `record_stability_info` the
-        sequence is recorded for `owner`, so `stable_reinforce` provenance can name it. `topk_sample_logprobs`
+        Each sequence gets a `sequence_id` (`sequence_ids`, else fresh ones) and is recorded for `owner`, so
+        provenance spans can name it; `stable_reinforce` trains only on those sampled with `record_stability_info`. `topk_sample_logprobs`
         k adds each sampled position's k most likely tokens of the sampling distribution.
         """
         if topk_prompt_logprobs:
@@ -90,7 +90,7 @@ class SamplingClient:
         record = self.record_stability_info if record_stability_info is None else bool(record_stability_info)
         return self._exec.submit(self._sample, prompt.to_ints(), n, sampling_params,
                                  self.next_seed(sampling_params), include_prompt_logprobs, None,
-                                 int(topk_sample_logprobs), list(sequence_ids), owner if record else None)
+                                 int(topk_sample_logprobs), list(sequence_ids), owner, record)
 
     def next_seed(self, sampling_params: SamplingParams) -> int:
         """The seed of this client's next `sample` call (the params' seed, else one per client and call)."""
@@ -127,7 +127,7 @@ class SamplingClient:
 
     def _sample(self, ids: list[int], n: int, params: SamplingParams, seed: int, prompt_lp: bool,
                 prefill=None, topk: int = 0, sequence_ids: list[str] | None = None,
-                record_for: str | None = None) -> SampleResponse:
+                record_for: str | None = None, stability: bool = False) -> SampleResponse:
         """prefill: a future of this client's prompt prefill computed elsewhere (shared encoder): the last
         position's logits [1, V] and the prompt's DecodeCache."""
         check_sample_request(ids, n, params, self.service.base.cfg.text.vocab_size)
@@ -182,7 +182,7 @@ class SamplingClient:
                     for r in range(n)]
         if record_for is not None:
             for seq in seqs_out:
-                self.service.sequences.record(record_for, seq.sequence_id, ids, seq.tokens, seq.logprobs)
+                self.service.sequences.record(record_for, seq.sequence_id, ids, seq.tokens, seq.logprobs, stability)
         return SampleResponse(seqs_out, self._prompt_logprobs(ids) if prompt_lp else None)
 
 

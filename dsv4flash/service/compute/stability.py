@@ -1,5 +1,6 @@
-"""Stability records (Tinker's `record_stability_info`): what each recorded sampled sequence was, per owner,
-and the check that a datum's provenance spans name recorded sequences that match it."""
+"""Sequence records: what each sampled sequence was (per owner, by `sequence_id`), whether it was sampled with
+Tinker's `record_stability_info`, and the check that a datum's provenance spans name such sequences and match
+them."""
 
 from __future__ import annotations
 
@@ -13,16 +14,18 @@ from dsv4flash.service.types import Datum, SampledProvenanceSpan
 
 LOCAL_OWNER = "local"  # the in-process client's owner; the HTTP server uses the tenant
 RECORD_TTL_S = 86400.0  # Tinker: a recorded sequence can be trained on for one day; each use restarts the day
-MAX_RECORDS_PER_OWNER = 200_000  # bounded memory: the least recently used records go first
+MAX_RECORDS_PER_OWNER = 65_536  # bounded memory: the least recently used records go first
 
 
 @dataclass
 class RecordedSequence:
-    """One sampled sequence as the sampler produced it: prompt, sampled tokens and their sampler log-probs."""
+    """One sampled sequence as the sampler produced it: prompt, sampled tokens and their sampler log-probs;
+    `stability`: sampled with record_stability_info (what stable_reinforce trains on)."""
 
     prompt: list[int]
     tokens: list[int]
     logprobs: list[float]
+    stability: bool
     used_at: float
 
 
@@ -43,11 +46,13 @@ class SequenceRecords:
         self._records: dict[str, dict[str, RecordedSequence]] = {}
         self._lock = threading.Lock()
 
-    def record(self, owner: str, sequence_id: str, prompt: list[int], tokens: list[int], logprobs: list[float]) -> None:
+    def record(self, owner: str, sequence_id: str, prompt: list[int], tokens: list[int], logprobs: list[float],
+               stability: bool) -> None:
         """Remember one sampled sequence for `owner`."""
         with self._lock:
             mine = self._records.setdefault(owner, {})
-            mine[sequence_id] = RecordedSequence(list(prompt), list(tokens), list(logprobs), time.monotonic())
+            mine[sequence_id] = RecordedSequence(list(prompt), list(tokens), list(logprobs), bool(stability),
+                                                 time.monotonic())
             while len(mine) > self.max_per_owner:  # dicts keep insertion order; `get` re-inserts on use
                 mine.pop(next(iter(mine)))
 
@@ -61,14 +66,17 @@ class SequenceRecords:
                 del mine[sequence_id]
                 rec = None
             if rec is None:
-                raise KeyError(f"{where}: {sequence_id!r} is not a sequence this tenant sampled with "
-                               f"record_stability_info (unknown or expired)")
+                raise KeyError(f"{where}: {sequence_id!r} is not a sequence this tenant sampled (unknown or "
+                               f"expired)")
             rec.used_at = now
             mine[sequence_id] = mine.pop(sequence_id)
             return rec
 
-    def resolve(self, owner: str, index: int, datum: Datum) -> Provenance | None:
+    def resolve(self, owner: str, index: int, datum: Datum, stability: bool = False) -> Provenance | None:
         """Check datum `index`'s spans against the records -> its Provenance (None when it has no spans).
+
+        `stability` (stable_reinforce): the sampled target runs must name sequences sampled with
+        record_stability_info.
 
         Both span lists must tile their field, name this owner's recorded sequences, stay inside them, and
         agree with them token for token: model-input runs with the prompt / sampled tokens they claim, and
@@ -78,12 +86,12 @@ class SequenceRecords:
             return None
         tokens = datum.model_input.to_ints()
         targets = datum.loss_fn_inputs["target_tokens"].to_numpy().reshape(-1).tolist()
-        self._walk(owner, f"data[{index}].model_input_spans", datum.model_input_spans, tokens, check_prompt=True)
+        self._walk(owner, f"data[{index}].model_input_spans", datum.model_input_spans, tokens, True, False)
         sampled, logprobs = self._walk(owner, f"data[{index}].loss_fn_input_spans", datum.loss_fn_input_spans,
-                                       targets, check_prompt=False)
+                                       targets, False, stability)
         return Provenance(torch.tensor(sampled, dtype=torch.bool), torch.tensor(logprobs, dtype=torch.float32))
 
-    def _walk(self, owner: str, field: str, spans, values: list[int], check_prompt: bool):
+    def _walk(self, owner: str, field: str, spans, values: list[int], check_prompt: bool, stability: bool):
         total = sum(int(s.length) for s in spans)
         if total != len(values):
             raise ValueError(f"{field}: the spans cover {total} positions but the field has {len(values)}; they "
@@ -95,6 +103,9 @@ class SequenceRecords:
                 raise ValueError(f"{where}: offset {span.offset} and length {span.length} must be ≥ 0")
             rec = self.get(owner, span.sequence_id, f"{where}.sequence_id")
             is_sampled = isinstance(span, SampledProvenanceSpan)
+            if is_sampled and stability and not rec.stability:
+                raise ValueError(f"{where}.sequence_id: {span.sequence_id!r} was sampled without "
+                                 f"record_stability_info, which stable_reinforce needs")
             source = rec.tokens if is_sampled else rec.prompt
             end = span.offset + span.length
             if end > len(source):

@@ -76,7 +76,8 @@ class TrainingClient:
             losses.check_inputs(loss_fn, i, d.loss_fn_inputs)
             taken = losses.LOSS_INPUTS[loss_fn] + losses.OPTIONAL_INPUTS.get(loss_fn, ())
             losses.check_datum(i, d, vocab, [k for k in d.loss_fn_inputs if k in taken])
-        return [self.service.sequences.resolve(owner, i, d) for i, d in enumerate(data)]
+        stability = loss_fn == "stable_reinforce"
+        return [self.service.sequences.resolve(owner, i, d, stability) for i, d in enumerate(data)]
 
     def check_options_and_provenance(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None,
                                      owner: str = LOCAL_OWNER) -> None:
@@ -85,7 +86,7 @@ class TrainingClient:
         losses.check_config(loss_fn, loss_fn_config)
         for i, d in enumerate(data):
             if "target_tokens" in d.loss_fn_inputs:
-                self.service.sequences.resolve(owner, i, d)
+                self.service.sequences.resolve(owner, i, d, loss_fn == "stable_reinforce")
 
     def forward_backward_custom(self, data: list[Datum], loss_fn) -> APIFuture:
         """Any differentiable loss: `loss_fn(data, logprobs_list) -> (scalar loss, metrics)`; gradients accumulate."""
