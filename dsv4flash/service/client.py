@@ -162,18 +162,20 @@ class ServiceClient:
             self._tokenizer = TaskTokenizer(self.base.cfg)
         return self._tokenizer
 
-    def stop_ids(self, stop) -> set[int]:
-        """Stop token ids from ints or single-token strings (eos always stops)."""
-        out = {int(self.base.cfg.eos_token_id)}
+    def stop_sequences(self, stop) -> list[tuple[int, ...]]:
+        """Stop token sequences from token ids and stop strings (each string as its token ids; eos always stops).
+
+        A string stops sampling once the sampled tokens end with its encoding (a token-level match: a string the
+        model spells with other tokens does not stop it)."""
+        out = [(int(self.base.cfg.eos_token_id),)]
         for s in [stop] if isinstance(stop, (str, int)) else (stop or []):
             if isinstance(s, int):
-                out.add(s)
+                out.append((s,))
             else:
-                ids = self.get_tokenizer().encode(s)
-                if len(ids) != 1:
-                    raise ValueError(f"SamplingParams.stop: {s!r} encodes to {len(ids)} tokens; only single-token "
-                                     f"stop strings (or token ids) are supported")
-                out.add(ids[0])
+                ids = tuple(int(t) for t in self.get_tokenizer().encode(s))
+                if not ids:
+                    raise ValueError(f"SamplingParams.stop: {s!r} encodes to no tokens")
+                out.append(ids)
         return out
 
     def fingerprint(self):

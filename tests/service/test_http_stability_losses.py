@@ -185,3 +185,28 @@ def test_topk_sample_logprobs_are_the_sampling_distributions_top_k(sdk, resident
         assert [t for t, _ in row] == ids.tolist()
         np.testing.assert_allclose([v for _, v in row], vals.numpy(), atol=2e-5)
         assert dict(row).get(tok, lp) == pytest.approx(lp, abs=1e-6)  # the sampled token's own log-prob agrees
+
+
+class _WordTokenizer:
+    """Encodes words by a fixed table (the tiny base emits ids outside the task vocabulary's words)."""
+
+    def __init__(self, table: dict[str, int]) -> None:
+        self.table = table
+
+    def encode(self, text: str) -> list[int]:
+        return [self.table[w] for w in text.split()]
+
+
+def test_multi_token_stop_strings_stop_on_the_whole_sequence(resident, tmp_path):
+    service = core.ServiceClient(root=tmp_path, resident=resident)
+    sampler = service.create_sampling_client()
+    prompt = core.types.ModelInput.from_ints(PROMPT)
+    free = sampler.sample(prompt, 1, core.types.SamplingParams(max_tokens=8, temperature=0.0)).result()
+    toks = free.sequences[0].tokens
+    assert len(toks) >= 4
+    a, b, c = toks[1], toks[2], toks[3]
+    service._tokenizer = _WordTokenizer({"a": a, "b": b, "c": c, "z": 511 if 511 not in toks else 510})
+    got = sampler.sample(prompt, 1, core.types.SamplingParams(max_tokens=8, temperature=0.0, stop=["z", "a b"])).result()
+    # stops at the first place the sampled tokens end with [a, b] (not at a lone a)
+    end = next(i for i in range(1, len(toks)) if toks[i - 1:i + 1] == [a, b]) + 1
+    assert got.sequences[0].tokens == toks[:end] and got.sequences[0].stop_reason == "stop"

@@ -131,7 +131,7 @@ class SamplingClient:
         """prefill: a future of this client's prompt prefill computed elsewhere (shared encoder): the last
         position's logits [1, V] and the prompt's DecodeCache."""
         check_sample_request(ids, n, params, self.service.base.cfg.text.vocab_size)
-        stop = self.service.stop_ids(params.stop)
+        stops = self.service.stop_sequences(params.stop)
         max_tokens = params.max_tokens if params.max_tokens is not None else 16
         gen = torch.Generator().manual_seed(seed)
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -169,7 +169,7 @@ class SamplingClient:
                     if topk:  # tokens the sampling distribution excludes (-inf) are not reported
                         tops[r].append([(int(i), float(v)) for i, v in zip(top.indices[j], top.values[j])
                                         if v > float("-inf")])
-                    if t in stop:
+                    if any(tuple(tokens[r][-len(q):]) == q for q in stops):
                         reasons[r] = "stop"
                     else:
                         still.append(r)
