@@ -293,6 +293,8 @@ class SampleResponse:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     type: str = "sample"
+    # Per prompt position (None for the first): the k most likely (token id, log-prob) of the model.
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass

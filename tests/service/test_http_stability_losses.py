@@ -185,6 +185,16 @@ def test_topk_sample_logprobs_are_the_sampling_distributions_top_k(sdk, resident
         assert [t for t, _ in row] == ids.tolist()
         np.testing.assert_allclose([v for _, v in row], vals.numpy(), atol=2e-5)
         assert dict(row).get(tok, lp) == pytest.approx(lp, abs=1e-6)  # the sampled token's own log-prob agrees
+    # topk_prompt_logprobs: each prompt position's top-k of the model's own next-token distribution
+    resp = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, params, include_prompt_logprobs=True,
+                          topk_prompt_logprobs=3).result()
+    with torch.no_grad():
+        ref = torch.log_softmax(resident.model(torch.tensor([PROMPT]))[0, :-1].float(), -1).topk(3, -1)  # [P-1,3]
+    assert resp.topk_prompt_logprobs[0] is None and len(resp.topk_prompt_logprobs) == len(PROMPT)
+    for row, ids, vals in zip(resp.topk_prompt_logprobs[1:], ref.indices, ref.values):
+        assert [t for t, _ in row] == ids.tolist()
+        np.testing.assert_allclose([v for _, v in row], vals.numpy(), atol=2e-5)
+    assert resp.prompt_logprobs[0] is None and len(resp.prompt_logprobs) == len(PROMPT)
 
 
 class _WordTokenizer:

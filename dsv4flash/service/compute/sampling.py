@@ -77,10 +77,9 @@ class SamplingClient:
         provenance spans can name it; `stable_reinforce` trains only on those sampled with `record_stability_info`. `topk_sample_logprobs`
         k adds each sampled position's k most likely tokens of the sampling distribution.
         """
-        if topk_prompt_logprobs:
-            raise ValueError("topk_prompt_logprobs: not supported by this engine (leave it at 0)")
-        if int(topk_sample_logprobs) < 0:
-            raise ValueError(f"topk_sample_logprobs: must be ≥ 0, got {topk_sample_logprobs}")
+        for name, k in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
+            if int(k) < 0:
+                raise ValueError(f"{name}: must be ≥ 0, got {k}")
         n = int(num_samples)
         if sequence_ids is None:
             stem = uuid.uuid4().hex
@@ -90,7 +89,8 @@ class SamplingClient:
         record = self.record_stability_info if record_stability_info is None else bool(record_stability_info)
         return self._exec.submit(self._sample, prompt.to_ints(), n, sampling_params,
                                  self.next_seed(sampling_params), include_prompt_logprobs, None,
-                                 int(topk_sample_logprobs), list(sequence_ids), owner, record)
+                                 int(topk_sample_logprobs), list(sequence_ids), owner, record,
+                                 int(topk_prompt_logprobs))
 
     def next_seed(self, sampling_params: SamplingParams) -> int:
         """The seed of this client's next `sample` call (the params' seed, else one per client and call)."""
@@ -116,18 +116,25 @@ class SamplingClient:
         base = self.service.base
         return base.bind(self.placement, self.adapter) if self.adapter is not None else _plain(base)
 
-    def _prompt_logprobs(self, ids: list[int]) -> list[float | None]:
+    def _prompt_logprobs(self, ids: list[int], topk: int = 0):
+        """log p(token_t | tokens_<t) per prompt token (None first); with `topk` also each position's k most
+        likely (token, log-prob) of the model's distribution (None first) -> (logprobs, topk rows)."""
         if not ids:
             raise ValueError("compute_logprobs: empty prompt")
         check_token_ids(ids, self.service.base.cfg.text.vocab_size, "compute_logprobs: prompt")
         with self._model() as model, torch.no_grad():
             logits = model(torch.tensor([ids]))  # [1,L,V]
-        lp = F.log_softmax(logits[0, :-1].float(), -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
-        return [None] + lp.tolist()
+        logp = F.log_softmax(logits[0, :-1].float(), -1)  # [L-1,V]: position t predicts token t+1
+        lp = logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        if not topk:
+            return [None] + lp.tolist()
+        top = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+        rows = [[(int(i), float(v)) for i, v in zip(ti, tv)] for ti, tv in zip(top.indices, top.values)]
+        return [None] + lp.tolist(), [None] + rows
 
     def _sample(self, ids: list[int], n: int, params: SamplingParams, seed: int, prompt_lp: bool,
                 prefill=None, topk: int = 0, sequence_ids: list[str] | None = None,
-                record_for: str | None = None, stability: bool = False) -> SampleResponse:
+                record_for: str | None = None, stability: bool = False, topk_prompt: int = 0) -> SampleResponse:
         """prefill: a future of this client's prompt prefill computed elsewhere (shared encoder): the last
         position's logits [1, V] and the prompt's DecodeCache."""
         check_sample_request(ids, n, params, self.service.base.cfg.text.vocab_size)
@@ -183,6 +190,9 @@ class SamplingClient:
         if record_for is not None:
             for seq in seqs_out:
                 self.service.sequences.record(record_for, seq.sequence_id, ids, seq.tokens, seq.logprobs, stability)
+        if topk_prompt:
+            prompt_scores, prompt_top = self._prompt_logprobs(ids, topk_prompt)
+            return SampleResponse(seqs_out, prompt_scores if prompt_lp else None, topk_prompt_logprobs=prompt_top)
         return SampleResponse(seqs_out, self._prompt_logprobs(ids) if prompt_lp else None)
 
 

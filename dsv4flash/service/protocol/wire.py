@@ -207,14 +207,17 @@ def encode_sample_response(resp: core.SampleResponse) -> bytes:
         # The SDK reads NaN as "no log-prob" (the first prompt token has none).
         msg.prompt_logprobs = np.asarray([np.nan if x is None else x for x in resp.prompt_logprobs],
                                          dtype=np.float32).tobytes()
+    if resp.topk_prompt_logprobs is not None:
+        _topk(msg.topk_prompt_logprobs, resp.topk_prompt_logprobs)
     return msg.SerializeToString()
 
 
 TOPK_EMPTY_LOGPROB = -99999.0  # the SDK's empty top-k cell (token 0)
 
 
-def _topk(msg, rows: list[list[tuple[int, float]]]) -> None:
-    """Per-position (token, log-prob) lists -> the SDK's dense N×K TopkLogprobs (short rows padded)."""
+def _topk(msg, rows: list[list[tuple[int, float]] | None]) -> None:
+    """Per-position (token, log-prob) lists -> the SDK's dense N×K TopkLogprobs (short or None rows padded)."""
+    rows = [r or [] for r in rows]
     k = max((len(r) for r in rows), default=0)
     ids = np.zeros((len(rows), k), dtype=np.int32)
     lps = np.full((len(rows), k), TOPK_EMPTY_LOGPROB, dtype=np.float32)
