@@ -153,7 +153,14 @@ class Datum:
             raise ValueError("Datum: provenance comes as a pair (model_input_spans and loss_fn_input_spans)")
 
     def with_provenance(self, model_input: list[ProvenanceSpan], loss_fn_inputs: list[ProvenanceSpan]) -> "Datum":
-        """A copy carrying provenance spans for the model input and the target tokens."""
+        """A copy carrying provenance spans for the model input and the target tokens (tiling checked here)."""
+        targets = self.loss_fn_inputs.get("target_tokens")
+        for kwarg, spans, length in (("model_input", model_input, self.model_input.length),
+                                     ("loss_fn_inputs", loss_fn_inputs, None if targets is None else targets.shape[0])):
+            total = sum(span.length for span in spans)
+            if length is not None and total != length:
+                raise ValueError(f"with_provenance {kwarg} spans cover {total} positions but the field has {length}; "
+                                 f"the runs must tile it exactly")
         return Datum(self.model_input, dict(self.loss_fn_inputs), list(model_input), list(loss_fn_inputs))
 
 

@@ -132,7 +132,16 @@ def test_provenance_spans_are_validated_per_tenant(server, sdk):
     seqs = tc.save_weights_and_get_sampling_client(record_stability_info=True).result().sample(
         types.ModelInput.from_ints(PROMPT), 2, params).result().sequences
     good = _rl_data(types, PROMPT, seqs, "stable_reinforce", with_sampled_provenance)
-    assert np.isfinite(tc.forward(good, "stable_reinforce").result().metrics["loss:sum"])
+    loss = tc.forward(good, "stable_reinforce").result().metrics["loss:sum"]
+    assert np.isfinite(loss) and loss != 0.0
+    # the sampler log-probs come from the records: a tampered client copy changes nothing
+    tampered = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        **d.loss_fn_inputs, "logprobs": types.TensorData.from_numpy(d.loss_fn_inputs["logprobs"].to_numpy() - 3.0)})
+        .with_provenance(model_input=d.model_input_spans, loss_fn_inputs=d.loss_fn_input_spans) for d in good]
+    assert tc.forward(tampered, "stable_reinforce").result().metrics["loss:sum"] == loss
+    # (importance_sampling does read it: its loss of the first datum scales by e³)
+    is_loss = [tc.forward(d[:1], "importance_sampling").result().metrics["loss:sum"] for d in (good, tampered)]
+    assert is_loss[0] != 0.0 and is_loss[1] == pytest.approx(is_loss[0] * np.exp(3.0), rel=1e-5)
 
     def swap_id(datum, sequence_id):
         return datum.with_provenance(model_input=[type(s)(sequence_id=sequence_id, offset=s.offset, length=s.length)
@@ -220,3 +229,30 @@ def test_multi_token_stop_strings_stop_on_the_whole_sequence(resident, tmp_path)
     # stops at the first place the sampled tokens end with [a, b] (not at a lone a)
     end = next(i for i in range(1, len(toks)) if toks[i - 1:i + 1] == [a, b]) + 1
     assert got.sequences[0].tokens == toks[:end] and got.sequences[0].stop_reason == "stop"
+
+
+def test_sequence_records_expire_and_stay_bounded():
+    from dsv4flash.service.compute.stability import SequenceRecords
+
+    records = SequenceRecords(ttl_s=3600.0, max_per_owner=2)
+    for i in range(3):
+        records.record("alice", f"s{i}", (0, 1), [5], [-0.5], stability=True)
+    with pytest.raises(KeyError, match="x.sequence_id: 's0' is not a sequence this tenant sampled"):
+        records.get("alice", "s0", "x.sequence_id")  # the least recently used went first
+    assert records.get("alice", "s1", "where").tokens == [5]
+    with pytest.raises(KeyError, match="'s1' is not a sequence"):
+        records.get("bob", "s1", "where")  # another owner's id is unknown
+    expired = SequenceRecords(ttl_s=0.0)
+    expired.record("alice", "s", (0,), [5], [-0.5], stability=True)
+    with pytest.raises(KeyError, match="unknown or expired"):
+        expired.get("alice", "s", "where")
+
+
+def test_core_with_provenance_checks_the_tiling():
+    d = core.Datum(model_input=core.ModelInput.from_ints([0, 1, 2]),
+                   loss_fn_inputs={"target_tokens": np.array([1, 2, 3], dtype=np.int64)})
+    span = core.SampledProvenanceSpan(sequence_id="s:0", length=2)
+    with pytest.raises(ValueError, match="with_provenance model_input spans cover 2 positions but the field has 3"):
+        d.with_provenance(model_input=[span], loss_fn_inputs=[span])
+    with pytest.raises(ValueError, match="provenance comes as a pair"):
+        core.Datum(d.model_input, d.loss_fn_inputs, model_input_spans=[span])

@@ -188,8 +188,9 @@ class SamplingClient:
         seqs_out = [SampledSequence(reasons[r], tokens[r], logps[r], sequence_ids[r], tops[r] if topk else None)
                     for r in range(n)]
         if record_for is not None:
+            prompt = tuple(ids)  # tuple(tuple) is the same object: one copy for all n records
             for seq in seqs_out:
-                self.service.sequences.record(record_for, seq.sequence_id, ids, seq.tokens, seq.logprobs, stability)
+                self.service.sequences.record(record_for, seq.sequence_id, prompt, seq.tokens, seq.logprobs, stability)
         if topk_prompt:
             prompt_scores, prompt_top = self._prompt_logprobs(ids, topk_prompt)
             return SampleResponse(seqs_out, prompt_scores if prompt_lp else None, topk_prompt_logprobs=prompt_top)

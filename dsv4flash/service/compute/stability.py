@@ -22,7 +22,7 @@ class RecordedSequence:
     """One sampled sequence as the sampler produced it: prompt, sampled tokens and their sampler log-probs;
     `stability`: sampled with record_stability_info (what stable_reinforce trains on)."""
 
-    prompt: list[int]
+    prompt: tuple[int, ...]  # one tuple shared by the sequences of a sample call
     tokens: list[int]
     logprobs: list[float]
     stability: bool
@@ -46,12 +46,12 @@ class SequenceRecords:
         self._records: dict[str, dict[str, RecordedSequence]] = {}
         self._lock = threading.Lock()
 
-    def record(self, owner: str, sequence_id: str, prompt: list[int], tokens: list[int], logprobs: list[float],
+    def record(self, owner: str, sequence_id: str, prompt: tuple[int, ...], tokens: list[int], logprobs: list[float],
                stability: bool) -> None:
         """Remember one sampled sequence for `owner`."""
         with self._lock:
             mine = self._records.setdefault(owner, {})
-            mine[sequence_id] = RecordedSequence(list(prompt), list(tokens), list(logprobs), bool(stability),
+            mine[sequence_id] = RecordedSequence(tuple(prompt), list(tokens), list(logprobs), bool(stability),
                                                  time.monotonic())
             while len(mine) > self.max_per_owner:  # dicts keep insertion order; `get` re-inserts on use
                 mine.pop(next(iter(mine)))
@@ -106,7 +106,7 @@ class SequenceRecords:
             if is_sampled and stability and not rec.stability:
                 raise ValueError(f"{where}.sequence_id: {span.sequence_id!r} was sampled without "
                                  f"record_stability_info, which stable_reinforce needs")
-            source = rec.tokens if is_sampled else rec.prompt
+            source = rec.tokens if is_sampled else list(rec.prompt)
             end = span.offset + span.length
             if end > len(source):
                 raise ValueError(f"{where}: positions [{span.offset}, {end}) run past the {len(source)} "
