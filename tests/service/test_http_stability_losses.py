@@ -225,7 +225,8 @@ def test_multi_token_stop_strings_stop_on_the_whole_sequence(resident, tmp_path)
     assert len(toks) >= 4
     a, b, c = toks[1], toks[2], toks[3]
     service._tokenizer = _WordTokenizer({"a": a, "b": b, "c": c, "z": 511 if 511 not in toks else 510})
-    got = sampler.sample(prompt, 1, core.types.SamplingParams(max_tokens=8, temperature=0.0, stop=["z", "a b"])).result()
+    stop_ab = core.types.SamplingParams(max_tokens=8, temperature=0.0, stop=["z", "a b"])
+    got = sampler.sample(prompt, 1, stop_ab).result()
     # stops at the first place the sampled tokens end with [a, b] (not at a lone a)
     end = next(i for i in range(1, len(toks)) if toks[i - 1:i + 1] == [a, b]) + 1
     assert got.sequences[0].tokens == toks[:end] and got.sequences[0].stop_reason == "stop"

@@ -74,8 +74,9 @@ class SamplingClient:
         """`num_samples` continuations of `prompt` -> SampleResponse (logprobs under the sampling distribution).
 
         Each sequence gets a `sequence_id` (`sequence_ids`, else fresh ones) and is recorded for `owner`, so
-        provenance spans can name it; `stable_reinforce` trains only on those sampled with `record_stability_info`. `topk_sample_logprobs`
-        k adds each sampled position's k most likely tokens of the sampling distribution.
+        provenance spans can name it; `stable_reinforce` trains only on those sampled with `record_stability_info`.
+        `topk_sample_logprobs` k adds each sampled position's k most likely tokens of the sampling distribution;
+        `topk_prompt_logprobs` k each prompt position's k most likely tokens of the model.
         """
         for name, k in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
             if int(k) < 0:
