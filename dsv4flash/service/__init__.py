@@ -11,7 +11,8 @@ from dsv4flash.service.compute.shared_sampling import SharedSampling, sample_sha
 from dsv4flash.service.compute.training import TrainingClient
 from dsv4flash.service.types import (AdamParams, Datum, EncodedTextChunk, ForwardBackwardOutput, GetInfoResponse,
                                      LoadWeightsResponse, LoraConfig, ModelInput, OptimStepResponse,
-                                     ParsedCheckpointTinkerPath, SampledSequence, SampleResponse, SamplingParams,
+                                     ParsedCheckpointTinkerPath, PromptProvenanceSpan, SampledProvenanceSpan,
+                                     SampledSequence, SampleResponse, SamplingParams,
                                      SaveWeightsForSamplerResponse, SaveWeightsResponse, TensorData)
 from dsv4flash.service import types
 
@@ -19,4 +20,4 @@ __all__ = ["ServiceClient", "TrainingClient", "SamplingClient", "APIFuture", "Re
            "EncodedTextChunk", "ForwardBackwardOutput", "GetInfoResponse", "LoadWeightsResponse", "LoraConfig",
            "ModelInput", "OptimStepResponse", "ParsedCheckpointTinkerPath", "SampledSequence", "SampleResponse",
            "SamplingParams", "SaveWeightsForSamplerResponse", "SaveWeightsResponse", "TensorData", "types",
-           "SharedSampling", "sample_shared"]
+           "SharedSampling", "sample_shared", "PromptProvenanceSpan", "SampledProvenanceSpan"]

@@ -37,6 +37,9 @@ class ServiceClient:
         self.store = AdapterStore(self.root)
         self.store_lock = threading.Lock()
         self.checkpoints = CheckpointRegistry(self.root)
+        from dsv4flash.service.compute.stability import SequenceRecords
+
+        self.sequences = SequenceRecords()  # record_stability_info samples, for stable_reinforce's provenance
         self._tokenizer = None
         # At start, not on the first create_lora_training_client: the census behind it builds the model on meta
         # (seconds in a fresh process, torch's meta-init path included), which would otherwise stall the first
@@ -83,12 +86,16 @@ class ServiceClient:
         return self._from_state(path, True, user_metadata, run_id)
 
     def create_sampling_client(self, model_path: str | None = None, base_model: str | None = None,
-                               retry_config=None) -> SamplingClient:
+                               retry_config=None, record_stability_info: bool = False) -> SamplingClient:
         """Sample from a saved checkpoint, or from the bare base when only `base_model` is given."""
         if model_path is None:
-            return SamplingClient(self, None, None, "base")
-        tensors, _, pc = self._read_checkpoint(model_path, False)
-        return SamplingClient(self, pc, tensors, ParsedCheckpointTinkerPath.from_tinker_path(model_path).checkpoint_id)
+            client = SamplingClient(self, None, None, "base")
+        else:
+            tensors, _, pc = self._read_checkpoint(model_path, False)
+            client = SamplingClient(self, pc, tensors,
+                                    ParsedCheckpointTinkerPath.from_tinker_path(model_path).checkpoint_id)
+        client.record_stability_info = bool(record_stability_info)
+        return client
 
     def create_rest_client(self):
         """Run and checkpoint management (list, delete, publish, TTL, archive URL)."""
@@ -155,18 +162,20 @@ class ServiceClient:
             self._tokenizer = TaskTokenizer(self.base.cfg)
         return self._tokenizer
 
-    def stop_ids(self, stop) -> set[int]:
-        """Stop token ids from ints or single-token strings (eos always stops)."""
-        out = {int(self.base.cfg.eos_token_id)}
+    def stop_sequences(self, stop) -> list[tuple[int, ...]]:
+        """Stop token sequences from token ids and stop strings (each string as its token ids; eos always stops).
+
+        A string stops sampling once the sampled tokens end with its encoding (a token-level match: a string the
+        model spells with other tokens does not stop it)."""
+        out = [(int(self.base.cfg.eos_token_id),)]
         for s in [stop] if isinstance(stop, (str, int)) else (stop or []):
             if isinstance(s, int):
-                out.add(s)
+                out.append((s,))
             else:
-                ids = self.get_tokenizer().encode(s)
-                if len(ids) != 1:
-                    raise ValueError(f"SamplingParams.stop: {s!r} encodes to {len(ids)} tokens; only single-token "
-                                     f"stop strings (or token ids) are supported")
-                out.add(ids[0])
+                ids = tuple(int(t) for t in self.get_tokenizer().encode(s))
+                if not ids:
+                    raise ValueError(f"SamplingParams.stop: {s!r} encodes to no tokens")
+                out.append(ids)
         return out
 
     def fingerprint(self):

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"]
+LossFnType = Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
 StopReason = Literal["length", "stop"]
 CheckpointType = Literal["training", "sampler"]
 _NP_DTYPES = {"int64": np.int64, "float32": np.float32}
@@ -113,15 +113,55 @@ def to_tensor_data(value: Any, key: str) -> TensorData:
     raise TypeError(f"Datum.loss_fn_inputs[{key!r}]: expected TensorData, numpy, torch or a list, got {type(value).__name__}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class PromptProvenanceSpan:
+    """`length` datum positions are positions [offset, offset + length) of sequence `sequence_id`'s prompt."""
+
+    sequence_id: str
+    offset: int = 0
+    length: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampledProvenanceSpan:
+    """`length` datum positions are positions [offset, offset + length) of sequence `sequence_id`'s sampled tokens."""
+
+    sequence_id: str
+    offset: int = 0
+    length: int
+
+
+ProvenanceSpan = PromptProvenanceSpan | SampledProvenanceSpan
+
+
 @dataclass
 class Datum:
-    """One training example: the model input and the per-token loss inputs (target_tokens, weights, ...)."""
+    """One training example: the model input and the per-token loss inputs (target_tokens, weights, ...).
+
+    `model_input_spans` / `loss_fn_input_spans` (Tinker's provenance, set together by `with_provenance`) tile
+    the model input and the target tokens with runs naming the sampled sequence each position came from.
+    """
 
     model_input: ModelInput
     loss_fn_inputs: dict[str, TensorData]
+    model_input_spans: list[ProvenanceSpan] | None = None
+    loss_fn_input_spans: list[ProvenanceSpan] | None = None
 
     def __post_init__(self) -> None:
         self.loss_fn_inputs = {k: to_tensor_data(v, k) for k, v in self.loss_fn_inputs.items()}
+        if (self.model_input_spans is None) != (self.loss_fn_input_spans is None):
+            raise ValueError("Datum: provenance comes as a pair (model_input_spans and loss_fn_input_spans)")
+
+    def with_provenance(self, model_input: list[ProvenanceSpan], loss_fn_inputs: list[ProvenanceSpan]) -> "Datum":
+        """A copy carrying provenance spans for the model input and the target tokens (tiling checked here)."""
+        targets = self.loss_fn_inputs.get("target_tokens")
+        for kwarg, spans, length in (("model_input", model_input, self.model_input.length),
+                                     ("loss_fn_inputs", loss_fn_inputs, None if targets is None else targets.shape[0])):
+            total = sum(span.length for span in spans)
+            if length is not None and total != length:
+                raise ValueError(f"with_provenance {kwarg} spans cover {total} positions but the field has {length}; "
+                                 f"the runs must tile it exactly")
+        return Datum(self.model_input, dict(self.loss_fn_inputs), list(model_input), list(loss_fn_inputs))
 
 
 def check_token_ids(ids, vocab_size: int, where: str) -> None:
@@ -248,6 +288,9 @@ class SampledSequence:
     stop_reason: StopReason
     tokens: list[int]
     logprobs: list[float] | None = None
+    sequence_id: str | None = field(default=None, compare=False)  # a name, not content: equal samples stay equal
+    # Per sampled token: the k most likely (token id, log-prob) of the sampling distribution, most likely first.
+    topk_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -257,6 +300,8 @@ class SampleResponse:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     type: str = "sample"
+    # Per prompt position (None for the first): the k most likely (token id, log-prob) of the model.
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass

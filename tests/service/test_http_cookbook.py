@@ -99,6 +99,30 @@ def test_cookbook_rl_train_main_runs_against_the_server(cookbook_env, tmp_path):
     assert run.base_model == "tiny" and run.lora_rank == 4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_fn", ["stable_reinforce", "gspo"])
+def test_cookbook_rl_train_main_with_tinker_038_losses(cookbook_env, tmp_path, loss_fn):
+    # rl.train samples with record_stability_info and attaches each action's sequence_id as provenance for
+    # stable_reinforce (its async default); gspo goes out without a sequence_ratio_mask, as the cookbook sends it.
+    from tinker_cookbook.rl import train
+
+    from dsv4flash.integrations.cookbook import TaskRLDatasetBuilder
+
+    base = _served_base_dir(cookbook_env)
+    log_path = tmp_path / loss_fn
+    config = train.Config(
+        log_path=str(log_path), model_name=base, recipe_name=f"dsv4flash_task_rl_{loss_fn}",
+        base_url=cookbook_env.url,
+        dataset_builder=TaskRLDatasetBuilder(model_name_for_tokenizer=base, task="arithmetic", groups_per_batch=2,
+                                             group_size=4, n_batches=2),
+        learning_rate=1e-2, max_tokens=3, lora_rank=4, eval_every=0, save_every=0, loss_fn=loss_fn)
+    asyncio.run(train.main(config))
+    rows = [r for r in _metrics(log_path) if any(k.startswith("env/all/") for k in r)]
+    assert len(rows) == 2, rows
+    assert all(r["tokens/trained"] > r["tokens/sampled"] > 0 for r in rows)
+    assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-4 for r in rows)
+
+
 def test_sdk_sampling_client_tokenizer_loads_offline_by_the_served_base_name(cookbook_env):
     from dsv4flash.tasks import TaskTokenizer
     from tests.service.http_server import service_client

@@ -83,9 +83,9 @@ def test_malformed_requests_name_the_field(server, sdk):
     assert r.status_code == 400 and r.json()["field"] == "base_model" and "tiny" in r.json()["detail"]
     r = _post(server, "forward_backward", content=b"\x08\xff\xff", headers={"Content-Type": "application/x-protobuf"})
     assert r.status_code == 400 and "forward_backward" in r.json()["detail"]
-    r = _post(server, "asample", json={"prompt": {"chunks": []}, "sampling_params": {}, "topk_sample_logprobs": 3,
+    r = _post(server, "asample", json={"prompt": {"chunks": []}, "sampling_params": {}, "prompt_alt_tokens_k": 3,
                                        "sampling_session_id": "sampler-x"})
-    assert r.status_code == 400 and r.json()["field"] == "topk_sample_logprobs"
+    assert r.status_code == 400 and r.json()["field"] == "prompt_alt_tokens_k"
 
 
 def test_request_size_limit(server):

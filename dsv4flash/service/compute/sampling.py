@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import uuid
 
 import torch
 import torch.nn.functional as F
 
+from dsv4flash.service.compute.stability import LOCAL_OWNER
 from dsv4flash.service.futures import APIFuture, OrderedExecutor
 from dsv4flash.service.types import ModelInput, SampledSequence, SampleResponse, SamplingParams, check_token_ids
 
@@ -63,11 +65,33 @@ class SamplingClient:
         """The base model's tokenizer."""
         return self.service.get_tokenizer()
 
+    record_stability_info = False  # Tinker: set per client; every sample it takes is then recorded
+
     def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
-               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> APIFuture:
-        """`num_samples` continuations of `prompt` -> SampleResponse (logprobs under the sampling distribution)."""
-        return self._exec.submit(self._sample, prompt.to_ints(), int(num_samples), sampling_params,
-                                 self.next_seed(sampling_params), include_prompt_logprobs)
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, *,
+               topk_sample_logprobs: int = 0, record_stability_info: bool | None = None,
+               sequence_ids: list[str] | None = None, owner: str = LOCAL_OWNER) -> APIFuture:
+        """`num_samples` continuations of `prompt` -> SampleResponse (logprobs under the sampling distribution).
+
+        Each sequence gets a `sequence_id` (`sequence_ids`, else fresh ones) and is recorded for `owner`, so
+        provenance spans can name it; `stable_reinforce` trains only on those sampled with `record_stability_info`.
+        `topk_sample_logprobs` k adds each sampled position's k most likely tokens of the sampling distribution;
+        `topk_prompt_logprobs` k each prompt position's k most likely tokens of the model.
+        """
+        for name, k in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
+            if int(k) < 0:
+                raise ValueError(f"{name}: must be ≥ 0, got {k}")
+        n = int(num_samples)
+        if sequence_ids is None:
+            stem = uuid.uuid4().hex
+            sequence_ids = [f"{stem}:{i}" for i in range(n)]
+        if len(sequence_ids) != n:
+            raise ValueError(f"sample: {len(sequence_ids)} sequence ids for {n} samples")
+        record = self.record_stability_info if record_stability_info is None else bool(record_stability_info)
+        return self._exec.submit(self._sample, prompt.to_ints(), n, sampling_params,
+                                 self.next_seed(sampling_params), include_prompt_logprobs, None,
+                                 int(topk_sample_logprobs), list(sequence_ids), owner, record,
+                                 int(topk_prompt_logprobs))
 
     def next_seed(self, sampling_params: SamplingParams) -> int:
         """The seed of this client's next `sample` call (the params' seed, else one per client and call)."""
@@ -93,25 +117,34 @@ class SamplingClient:
         base = self.service.base
         return base.bind(self.placement, self.adapter) if self.adapter is not None else _plain(base)
 
-    def _prompt_logprobs(self, ids: list[int]) -> list[float | None]:
+    def _prompt_logprobs(self, ids: list[int], topk: int = 0):
+        """log p(token_t | tokens_<t) per prompt token (None first); with `topk` also each position's k most
+        likely (token, log-prob) of the model's distribution (None first) -> (logprobs, topk rows)."""
         if not ids:
             raise ValueError("compute_logprobs: empty prompt")
         check_token_ids(ids, self.service.base.cfg.text.vocab_size, "compute_logprobs: prompt")
         with self._model() as model, torch.no_grad():
             logits = model(torch.tensor([ids]))  # [1,L,V]
-        lp = F.log_softmax(logits[0, :-1].float(), -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
-        return [None] + lp.tolist()
+        logp = F.log_softmax(logits[0, :-1].float(), -1)  # [L-1,V]: position t predicts token t+1
+        lp = logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        if not topk:
+            return [None] + lp.tolist()
+        top = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+        rows = [[(int(i), float(v)) for i, v in zip(ti, tv)] for ti, tv in zip(top.indices, top.values)]
+        return [None] + lp.tolist(), [None] + rows
 
     def _sample(self, ids: list[int], n: int, params: SamplingParams, seed: int, prompt_lp: bool,
-                prefill=None) -> SampleResponse:
+                prefill=None, topk: int = 0, sequence_ids: list[str] | None = None,
+                record_for: str | None = None, stability: bool = False, topk_prompt: int = 0) -> SampleResponse:
         """prefill: a future of this client's prompt prefill computed elsewhere (shared encoder): the last
         position's logits [1, V] and the prompt's DecodeCache."""
         check_sample_request(ids, n, params, self.service.base.cfg.text.vocab_size)
-        stop = self.service.stop_ids(params.stop)
+        stops = self.service.stop_sequences(params.stop)
         max_tokens = params.max_tokens if params.max_tokens is not None else 16
         gen = torch.Generator().manual_seed(seed)
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
+        tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(n)]
         reasons = ["length"] * n
         live = list(range(n))
         first = prefill.result() if prefill is not None else None  # before taking the base: the prefill needs it
@@ -134,12 +167,17 @@ class SamplingClient:
                     tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
                 else:
                     tok = logp.argmax(-1)
+                if topk:
+                    top = logp.topk(min(topk, logp.shape[-1]), dim=-1)  # [R,k] of the sampling distribution
                 still, kept = [], []
                 for j, r in enumerate(live):
                     t = int(tok[j])
                     tokens[r].append(t)
                     logps[r].append(float(logp[j, t]))
-                    if t in stop:
+                    if topk:  # tokens the sampling distribution excludes (-inf) are not reported
+                        tops[r].append([(int(i), float(v)) for i, v in zip(top.indices[j], top.values[j])
+                                        if v > float("-inf")])
+                    if any(tuple(tokens[r][-len(q):]) == q for q in stops):
                         reasons[r] = "stop"
                     else:
                         still.append(r)
@@ -147,7 +185,16 @@ class SamplingClient:
                 if cache is not None and still and len(still) < len(live):
                     cache = cache.select(kept)  # stopped rows leave the batch
                 live = still
-        seqs_out = [SampledSequence(reasons[r], tokens[r], logps[r]) for r in range(n)]
+        sequence_ids = sequence_ids or [None] * n
+        seqs_out = [SampledSequence(reasons[r], tokens[r], logps[r], sequence_ids[r], tops[r] if topk else None)
+                    for r in range(n)]
+        if record_for is not None:
+            prompt = tuple(ids)  # tuple(tuple) is the same object: one copy for all n records
+            for seq in seqs_out:
+                self.service.sequences.record(record_for, seq.sequence_id, prompt, seq.tokens, seq.logprobs, stability)
+        if topk_prompt:
+            prompt_scores, prompt_top = self._prompt_logprobs(ids, topk_prompt)
+            return SampleResponse(seqs_out, prompt_scores if prompt_lp else None, topk_prompt_logprobs=prompt_top)
         return SampleResponse(seqs_out, self._prompt_logprobs(ids) if prompt_lp else None)
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4flash.service.compute import losses
+from dsv4flash.service.compute.stability import LOCAL_OWNER
 from dsv4flash.service.futures import APIFuture, OrderedExecutor
 from dsv4flash.service.types import (AdamParams, Datum, ForwardBackwardOutput, GetInfoResponse, LoadWeightsResponse,
                                      ModelData, OptimStepResponse, ParsedCheckpointTinkerPath, SaveWeightsForSamplerResponse,
@@ -53,13 +54,39 @@ class TrainingClient:
         self._exec = OrderedExecutor(run_id)
 
     # ---- Tinker surface ----
-    def forward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> APIFuture:
-        """Loss and target log-probs without gradients."""
-        return self._exec.submit(self._forward_backward, list(data), loss_fn, loss_fn_config, False)
+    def forward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None, *,
+                owner: str = LOCAL_OWNER) -> APIFuture:
+        """Loss and target log-probs without gradients (`owner`: whose recorded sequences provenance names)."""
+        return self._exec.submit(self._forward_backward, list(data), loss_fn, loss_fn_config, False, owner)
 
-    def forward_backward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None) -> APIFuture:
+    def forward_backward(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None = None, *,
+                         owner: str = LOCAL_OWNER) -> APIFuture:
         """Loss, target log-probs, and gradients accumulated until the next `optim_step`."""
-        return self._exec.submit(self._forward_backward, list(data), loss_fn, loss_fn_config, True)
+        return self._exec.submit(self._forward_backward, list(data), loss_fn, loss_fn_config, True, owner)
+
+    def check_request(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None,
+                      owner: str = LOCAL_OWNER) -> list:
+        """Raise naming the datum/field/option when a built-in-loss request is malformed -> each datum's
+        resolved provenance (None where it has none)."""
+        if not data:
+            raise ValueError("forward_backward: empty data list")
+        losses.check_config(loss_fn, loss_fn_config)
+        vocab = self.service.base.cfg.text.vocab_size
+        for i, d in enumerate(data):
+            losses.check_inputs(loss_fn, i, d.loss_fn_inputs)
+            taken = losses.LOSS_INPUTS[loss_fn] + losses.OPTIONAL_INPUTS.get(loss_fn, ())
+            losses.check_datum(i, d, vocab, [k for k in d.loss_fn_inputs if k in taken])
+        stability = loss_fn == "stable_reinforce"
+        return [self.service.sequences.resolve(owner, i, d, stability) for i, d in enumerate(data)]
+
+    def check_options_and_provenance(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None,
+                                     owner: str = LOCAL_OWNER) -> None:
+        """The request-time part of `check_request` (what a server answers 400 to before queueing): unknown
+        `loss_fn_config` options, and provenance spans naming unknown, other owners' or mismatched sequences."""
+        losses.check_config(loss_fn, loss_fn_config)
+        for i, d in enumerate(data):
+            if "target_tokens" in d.loss_fn_inputs:
+                self.service.sequences.resolve(owner, i, d, loss_fn == "stable_reinforce")
 
     def forward_backward_custom(self, data: list[Datum], loss_fn) -> APIFuture:
         """Any differentiable loss: `loss_fn(data, logprobs_list) -> (scalar loss, metrics)`; gradients accumulate."""
@@ -88,11 +115,14 @@ class TrainingClient:
         """Load weights and the optimizer state saved with them."""
         return self._exec.submit(self._load, path, True)
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None):
+    def save_weights_and_get_sampling_client(self, name: str | None = None, retry_config: Any = None,
+                                             record_stability_info: bool = False):
         """A SamplingClient on a snapshot of the current weights (waits for queued calls; `name` also saves)."""
         if name is not None:
             self.save_weights_for_sampler(name).result()
-        return self.snapshot_sampling_client().result()
+        client = self.snapshot_sampling_client().result()
+        client.record_stability_info = bool(record_stability_info)
+        return client
 
     def schedule_with(self, scheduler, policy: str) -> None:
         """Run each compute call of this client as one update turn of `scheduler` (a `PhaseScheduler`; how
@@ -109,9 +139,9 @@ class TrainingClient:
         """A future SamplingClient on the weights as they stand after every call queued before this one."""
         return self._exec.submit(self._snapshot_sampler)
 
-    def create_sampling_client(self, model_path: str, retry_config: Any = None):
+    def create_sampling_client(self, model_path: str, retry_config: Any = None, record_stability_info: bool = False):
         """A SamplingClient on saved sampler (or training) weights."""
-        return self.service.create_sampling_client(model_path=model_path)
+        return self.service.create_sampling_client(model_path=model_path, record_stability_info=record_stability_info)
 
     def get_info(self) -> GetInfoResponse:
         """Run id and what it is built on."""
@@ -152,18 +182,13 @@ class TrainingClient:
         snapshot = {k: p.detach().clone() for k, p in self.adapter.items()}
         return self.service._sampling_client(self.placement, snapshot, f"{self.run_id}/live-{self.step}")
 
-    def _forward_backward(self, data, loss_fn, loss_fn_config, backward: bool) -> ForwardBackwardOutput:
-        if not data:
-            raise ValueError("forward_backward: empty data list")
-        vocab = self.service.base.cfg.text.vocab_size
-        for i, d in enumerate(data):
-            losses.check_inputs(loss_fn, i, d.loss_fn_inputs)
-            losses.check_datum(i, d, vocab, [k for k in d.loss_fn_inputs if k in losses.LOSS_INPUTS[loss_fn]])
+    def _forward_backward(self, data, loss_fn, loss_fn_config, backward: bool, owner: str) -> ForwardBackwardOutput:
+        provenance = self.check_request(data, loss_fn, loss_fn_config, owner)
         base = self.service.base
         with base.bind(self.placement, self.adapter) as model, torch.set_grad_enabled(backward):
             logps = target_logprobs(model, data)
             per = [losses.datum_loss(loss_fn, lp, {k: v.to_torch() for k, v in d.loss_fn_inputs.items()},
-                                     loss_fn_config) for lp, d in zip(logps, data)]
+                                     loss_fn_config, prov) for lp, d, prov in zip(logps, data, provenance)]
             total = torch.stack(per).sum()
             if backward:
                 self._accumulate_gradients(total, f"forward_backward({loss_fn!r})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -39,7 +40,7 @@ async def get_sampler(request: Request) -> Response:
 
 CLONE_SEQ_STRIDE = 1_000_000_000  # the SDK numbers clone k's requests from k * 1e9 (cloned_sampler_id)
 
-_UNSUPPORTED_SAMPLE = {"topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "target_prompt_logprobs": None,
+_UNSUPPORTED_SAMPLE = {"target_prompt_logprobs": None,
                        "prompt_alt_tokens_k": 0, "prompt_logprobs_last_n": None}
 
 
@@ -64,12 +65,19 @@ async def asample(request: Request) -> Response:
     params = convert.sampling_params(req.sampling_params)
     from dsv4flash.service.types import ModelInput
 
-    rid = plane.submit(tenant, "sample", lambda: client.sample(ModelInput.from_ints(prompt), req.num_samples, params,
-                                                               include_prompt_logprobs=bool(req.prompt_logprobs)),
-                       convert.sample_result)
+    k, k_prompt = req.topk_sample_logprobs or 0, req.topk_prompt_logprobs or 0
+    for name, value in (("topk_sample_logprobs", k), ("topk_prompt_logprobs", k_prompt)):
+        if value < 0:
+            raise BadRequest(f"{name}: must be ≥ 0, got {value}")
+    stem = uuid.uuid4().hex  # ids known before the work runs: the SDK reads them off the promise
+    sequence_ids = [f"{stem}:{i}" for i in range(req.num_samples)]
+    rid = plane.submit(tenant, "sample", lambda: client.sample(
+        ModelInput.from_ints(prompt), req.num_samples, params, include_prompt_logprobs=bool(req.prompt_logprobs),
+        topk_prompt_logprobs=k_prompt, topk_sample_logprobs=k, record_stability_info=bool(req.record_stability_info),
+        sequence_ids=sequence_ids, owner=tenant), convert.sample_result)
     if session is not None:  # the SDK's session poller (retrieve_futures) learns of it from its clone's queue
         session.completion_queue((req.seq_id or 0) // CLONE_SEQ_STRIDE).watch(rid, plane.ops.get(rid, tenant).future)
-    return future_response(rid, sample_sequence_ids=[f"{rid}:{i}" for i in range(req.num_samples)])
+    return future_response(rid, sample_sequence_ids=sequence_ids)
 
 
 ROUTES = [

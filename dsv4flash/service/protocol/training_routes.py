@@ -4,6 +4,8 @@ save_weights, save_weights_for_sampler, load_weights."""
 
 from __future__ import annotations
 
+import asyncio
+
 import concurrent.futures
 
 from starlette.requests import Request
@@ -92,9 +94,13 @@ async def _run_forward(request: Request, input_key: str) -> Response:
         rid = plane.submit(tenant, "forward_backward", lambda: tc.forward_backward_custom(data, loss),
                            convert.forward_backward_result)
         return future_response(rid, model_id=model_id)
+    try:  # bad options or provenance: a 400 naming the field now (bad loss inputs fail the future, as in Tinker)
+        await asyncio.to_thread(tc.check_options_and_provenance, data, loss_fn, config or None, tenant)
+    except (KeyError, ValueError) as exc:
+        raise BadRequest(exc.args[0] if exc.args else str(exc)) from exc
     call = tc.forward if forward_only else tc.forward_backward
     rid = plane.submit(tenant, "forward" if forward_only else "forward_backward",
-                       lambda: call(data, loss_fn, config or None), convert.forward_backward_result)
+                       lambda: call(data, loss_fn, config or None, owner=tenant), convert.forward_backward_result)
     return future_response(rid, model_id=model_id)
 
 

@@ -58,6 +58,23 @@ def _tensor(msg, where: str) -> core.TensorData:
     return core.TensorData(arr.tolist(), dtype, shape)
 
 
+def _spans(msgs, where: str) -> list[core.ProvenanceSpan] | None:
+    """Repeated ProvenanceSpan -> core spans (None when the datum carries none)."""
+    if not len(msgs):
+        return None
+    out: list[core.ProvenanceSpan] = []
+    for j, m in enumerate(msgs):
+        arm = m.WhichOneof("span")
+        if arm is None:
+            raise WireError(f"{where}[{j}]: neither prompt_tokens nor sampled_tokens is set")
+        a = getattr(m, arm)
+        if not a.sequence_id:
+            raise WireError(f"{where}[{j}].sequence_id: required (a SampledSequence.sequence_id)")
+        kind = core.SampledProvenanceSpan if arm == "sampled_tokens" else core.PromptProvenanceSpan
+        out.append(kind(sequence_id=a.sequence_id, offset=int(a.offset), length=int(a.length)))
+    return out
+
+
 def decode_forward_backward(body: bytes) -> tuple[str, int, bool, str, dict, list[core.Datum]]:
     """Protobuf body -> (model_id, seq_id, forward_only, loss_fn, loss_fn_config, core data)."""
     from google.protobuf.message import DecodeError
@@ -82,7 +99,11 @@ def decode_forward_backward(body: bytes) -> tuple[str, int, bool, str, dict, lis
                                 f"engine)")
             tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
         inputs = {k: _tensor(t, f"data[{i}].loss_fn_inputs[{k!r}]") for k, t in d.loss_fn_inputs.items()}
-        data.append(core.Datum(core.ModelInput.from_ints(tokens), inputs))
+        spans = [_spans(d.model_input_spans, f"data[{i}].model_input_spans"),
+                 _spans(d.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans")]
+        if (spans[0] is None) != (spans[1] is None):
+            raise WireError(f"data[{i}]: provenance comes as a pair (model_input_spans and loss_fn_input_spans)")
+        data.append(core.Datum(core.ModelInput.from_ints(tokens), inputs, *spans))
     return msg.model_id, int(msg.seq_id), bool(msg.forward_only), msg.loss_fn, config, data
 
 
@@ -180,8 +201,27 @@ def encode_sample_response(resp: core.SampleResponse) -> bytes:
         s.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
         if seq.logprobs is not None:
             s.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+        if seq.topk_logprobs is not None:
+            _topk(s.topk_sampled_logprobs, seq.topk_logprobs)
     if resp.prompt_logprobs is not None:
         # The SDK reads NaN as "no log-prob" (the first prompt token has none).
         msg.prompt_logprobs = np.asarray([np.nan if x is None else x for x in resp.prompt_logprobs],
                                          dtype=np.float32).tobytes()
+    if resp.topk_prompt_logprobs is not None:
+        _topk(msg.topk_prompt_logprobs, resp.topk_prompt_logprobs)
     return msg.SerializeToString()
+
+
+TOPK_EMPTY_LOGPROB = -99999.0  # the SDK's empty top-k cell (token 0)
+
+
+def _topk(msg, rows: list[list[tuple[int, float]] | None]) -> None:
+    """Per-position (token, log-prob) lists -> the SDK's dense N×K TopkLogprobs (short or None rows padded)."""
+    rows = [r or [] for r in rows]
+    k = max((len(r) for r in rows), default=0)
+    ids = np.zeros((len(rows), k), dtype=np.int32)
+    lps = np.full((len(rows), k), TOPK_EMPTY_LOGPROB, dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (tok, lp) in enumerate(row):
+            ids[i, j], lps[i, j] = tok, lp
+    msg.token_ids, msg.logprobs, msg.k, msg.length = ids.tobytes(), lps.tobytes(), k, len(rows)
