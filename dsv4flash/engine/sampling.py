@@ -52,7 +52,7 @@ def generate(forward: ForwardFn, prompts: Sequence[tuple[torch.Tensor, torch.Ten
 
     use_cache: None = cached decode whenever `forward` has `prefill`/`decode`; False forces full recompute.
     logprobs_fn: [R,V] fp32 logits -> [R,V] log-probs of the sampling distribution, replacing the plain
-    temperature softmax when temperature > 0 (e.g. `dsv4flash.service.sampling.process_logits`: top-k/top-p).
+    temperature softmax when temperature > 0 (e.g. `dsv4flash.service.compute.sampling.process_logits`: top-k/top-p).
     """
     from dsv4flash.model.image import TEXT
 
