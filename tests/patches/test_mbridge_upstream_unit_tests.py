@@ -25,14 +25,19 @@ ROOT = Path(__file__).resolve().parents[2]
 SERIES = load_series(ROOT / "patches")["megatron-bridge"]
 CASES = [(p.patch_id, f) for p in SERIES.patches for f in p.files
          if f.startswith("tests/unit_tests/") and f.endswith(".py") and f"--- /dev/null\n+++ b/{f}" in p.diff]
+# megatron-core modules a megatron-bridge patch builds on (from the megatron-lm series; stock megatron-core has
+# none): its in-patch tests run with those megatron-core runtime twins applied.
+NEEDS_MCORE = {"DSV41-MBRIDGE-004": ("DSV41-MCORE-008",)}
 CONFTEST = """from pathlib import Path
 
-from dsv4flash import mbridge_cpu_import
+from dsv4flash import _patching, mbridge_cpu_import
 
 mbridge_cpu_import.install()
 import megatron.bridge
 
 assert Path(megatron.bridge.__file__).resolve().is_relative_to(Path({root!r}).resolve()), megatron.bridge.__file__
+for patch_id in {mcore!r}:
+    assert _patching.discover().get(patch_id).apply(mode="on").active, patch_id
 """
 
 
@@ -49,7 +54,7 @@ def test_upstream_unit_tests_pass_on_the_patched_tree(patch_id, rel, tmp_path):
     test_file = tmp_path / rel  # run from a scratch root whose conftest installs the shim before collection
     test_file.parent.mkdir(parents=True)
     shutil.copyfile(copy.root / rel, test_file)
-    (tmp_path / "conftest.py").write_text(CONFTEST.format(root=str(copy.root)))  # also: the patched tree is used
+    (tmp_path / "conftest.py").write_text(CONFTEST.format(root=str(copy.root), mcore=NEEDS_MCORE.get(patch_id, ())))  # also: the patched tree is used
     env = {k: v for k, v in os.environ.items() if k != "DSV4FLASH_STRICT_SKIPS"}
     env["PYTHONPATH"] = os.pathsep.join([str(copy.sys_path), str(ROOT)])
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(test_file),
