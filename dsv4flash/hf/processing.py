@@ -22,7 +22,7 @@ from transformers.processing_utils import ProcessorMixin
 from dsv4flash.config import VisionConfig
 from dsv4flash.model.image import ImageInput, expand_image_placeholders, preprocess_image
 
-__all__ = ["DeepseekV41ImageProcessor", "DeepseekV41Processor", "PROCESSOR_CHAT_TEMPLATE"]
+__all__ = ["DeepseekV41ImageProcessor", "DeepseekV41Processor", "PROCESSOR_CHAT_TEMPLATE", "save_processor_files"]
 
 # The task chat template (hf_tokenizer.CHAT_TEMPLATE) for structured content too: an image part is `<image>`.
 PROCESSOR_CHAT_TEMPLATE = (
@@ -175,6 +175,20 @@ class DeepseekV41Processor(ProcessorMixin):
             raise FileNotFoundError(f"{path}: neither {PROCESSOR_FILE} nor config.json (not a V4.1 processor, "
                                     f"checkpoint or base directory)")
         return cls(image_processor=image_processor, tokenizer=_tokenizer_of(path))
+
+
+def save_processor_files(base_dir: str | os.PathLike, directory: str | os.PathLike) -> Path:
+    """Make a HF tokenizer directory (`save_hf_tokenizer`) a processor directory for the model in `base_dir`:
+    `processor_config.json` and the model's `config.json` (veRL's `hf_processor` reads both), each atomically."""
+    from dsv4flash.atomic_io import write_bytes_atomic
+
+    base, target = Path(base_dir), Path(directory)
+    image = DeepseekV41ImageProcessor.from_model_config(base).to_dict()
+    image["image_processor_type"] = DeepseekV41ImageProcessor.__name__
+    section = {"processor_class": DeepseekV41Processor.__name__, "image_processor": image}
+    write_bytes_atomic(target / PROCESSOR_FILE, (json.dumps(section, indent=1, sort_keys=True) + "\n").encode())
+    write_bytes_atomic(target / "config.json", (base / "config.json").read_bytes())
+    return target
 
 
 def _tokenizer_of(path: Path) -> PreTrainedTokenizerBase:
