@@ -7,11 +7,12 @@ registers them with transformers' auto classes lazily (`registration.install`).
 from __future__ import annotations
 
 __all__ = ["DeepseekV41Config", "DeepseekV41TextConfig", "DeepseekV41VisionConfig", "DeepseekV41ForCausalLM",
-           "DeepseekV41PreTrainedModel"]
+           "DeepseekV41PreTrainedModel", "DeepseekV41ImageProcessor", "DeepseekV41Processor"]
 
 _HOMES = {"DeepseekV41Config": "configuration", "DeepseekV41TextConfig": "configuration",
           "DeepseekV41VisionConfig": "configuration", "DeepseekV41ForCausalLM": "modeling",
-          "DeepseekV41PreTrainedModel": "modeling"}
+          "DeepseekV41PreTrainedModel": "modeling", "DeepseekV41ImageProcessor": "processing",
+          "DeepseekV41Processor": "processing"}
 
 
 def __getattr__(name: str):

@@ -3,8 +3,10 @@
 `install()` (run by `import dsv4flash`, and by the veRL and vLLM plugins, which import dsv4flash) never
 imports transformers itself: `AutoConfig` learns `deepseek_v41` when transformers' `configuration_auto`
 is imported (at once if it already is), and `AutoModelForCausalLM` / `AutoModelForImageTextToText` learn
-`DeepseekV41ForCausalLM` when `modeling_auto` is. The release's `architectures` is `DeepseekV41ForCausalLM`
-on a model with a vision tower, so it is both a causal LM and an image-text-to-text model.
+`DeepseekV41ForCausalLM` when `modeling_auto` is, and `AutoProcessor` the V4.1 processor
+(`dsv4flash.hf.processing`) when `processing_auto` is. The release's `architectures` is
+`DeepseekV41ForCausalLM` on a model with a vision tower, so it is both a causal LM and an image-text-to-text
+model.
 
 A `deepseek_v41` config class registered before ours is kept: vLLM registers its own (flat attributes, for
 its model code) when `get_config` loads a V4.1 checkpoint, and that process's engine depends on it.
@@ -15,11 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 
-__all__ = ["install", "register_config", "register_models", "MODEL_TYPE"]
+__all__ = ["install", "register_config", "register_models", "register_processors", "MODEL_TYPE"]
 
 MODEL_TYPE = "deepseek_v41"
 CONFIG_AUTO = "transformers.models.auto.configuration_auto"
 MODELING_AUTO = "transformers.models.auto.modeling_auto"
+PROCESSING_AUTO = "transformers.models.auto.processing_auto"
 log = logging.getLogger("dsv4flash.hf")
 _lock = threading.RLock()
 _done: set[str] = set()
@@ -60,9 +63,28 @@ def register_models() -> None:
         _done.add("models")
 
 
+def register_processors() -> None:
+    """AutoProcessor: DeepseekV41Config -> DeepseekV41Processor (once).
+
+    Not AutoImageProcessor: transformers 5 gates that auto class on torchvision, which the processor does not need.
+    """
+    with _lock:
+        if "processors" in _done:
+            return
+        register_config()
+        from transformers.models.auto.processing_auto import AutoProcessor
+
+        from dsv4flash.hf.configuration import DeepseekV41Config
+        from dsv4flash.hf.processing import DeepseekV41Processor
+
+        AutoProcessor.register(DeepseekV41Config, DeepseekV41Processor, exist_ok=True)
+        _done.add("processors")
+
+
 def install() -> None:
     """Register when transformers' auto modules are imported (now for those already imported)."""
     from dsv4flash.post_import import when_imported
 
     when_imported(CONFIG_AUTO, register_config)
     when_imported(MODELING_AUTO, register_models)
+    when_imported(PROCESSING_AUTO, register_processors)

@@ -24,7 +24,7 @@ __all__ = [
     "TEXT", "IMAGE_START", "IMAGE", "IMAGE_NEWLINE", "IMAGE_END",
     "ImageInput", "ImagePlan", "PaddedPrompts",
     "num_image_tokens", "llm_grid_hw", "image_token_types", "plan_image_grid", "load_rgb", "preprocess_image",
-    "expand_image_placeholders", "prepare_vl_inputs", "fill_image_embeddings", "pad_prompts",
+    "expand_image_placeholders", "compact_image_placeholders", "prepare_vl_inputs", "fill_image_embeddings", "pad_prompts",
 ]
 
 TEXT, IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = -1, 0, 1, 2, 3
@@ -192,6 +192,31 @@ def expand_image_placeholders(input_ids: Any, images: Sequence[ImageInput], cfg:
     out_ids.append(ids[prev:])
     out_types.append(torch.full((ids.numel() - prev,), TEXT, dtype=torch.int64))
     return torch.cat(out_ids), torch.cat(out_types)
+
+
+def compact_image_placeholders(input_ids: Any, images: Sequence[ImageInput], cfg: DSV41FlashConfig) -> list[int]:
+    """A prompt in either form -> compact ids (one placeholder per image): expanded spans (what a HF processor,
+    hence veRL and vLLM, produce) are folded back; a compact prompt is returned unchanged."""
+    ids = [int(t) for t in torch.as_tensor(input_ids, dtype=torch.int64).flatten().tolist()]
+    n_image = sum(1 for t in ids if t == cfg.image_token_id)
+    spans = [num_image_tokens(*llm_grid_hw(img.grid_hw, cfg.vision.downsample_ratio)) for img in images]
+    if n_image == len(images):
+        return ids
+    if n_image != sum(spans):
+        raise ValueError(f"prompt has {n_image} image tokens (image_token_id={cfg.image_token_id}): neither one "
+                         f"placeholder per image ({len(images)}) nor the images' expanded spans ({sum(spans)})")
+    out, i, image = [], 0, 0
+    while i < len(ids):
+        if ids[i] == cfg.image_token_id:
+            run = spans[image]
+            if ids[i:i + run] != [cfg.image_token_id] * run:
+                raise ValueError(f"prompt: image {image}'s span at position {i} is shorter than its {run} tokens")
+            out.append(cfg.image_token_id)
+            i, image = i + run, image + 1
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
 
 
 def prepare_vl_inputs(input_ids: Any, images: Sequence[Any], cfg: DSV41FlashConfig,

@@ -21,6 +21,10 @@ SPECIAL_NAMES = {"bos": "<bos>", "eos": "<eos>", "pad": "<pad>"}
 CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 # TaskTokenizer's split, without `<image>` (an added token, matched before pre-tokenization).
 PIECE_PATTERN = r"\d|[a-z]+|[^\sa-z\d]"
+TOKENIZER_SETTINGS = {"bos_token": SPECIAL_NAMES["bos"], "eos_token": SPECIAL_NAMES["eos"],
+                      "pad_token": SPECIAL_NAMES["pad"], "additional_special_tokens": [IMAGE_PLACEHOLDER],
+                      "chat_template": CHAT_TEMPLATE, "model_max_length": 1 << 20,
+                      "clean_up_tokenization_spaces": False}
 
 
 def build_hf_tokenizer(tok: TaskTokenizer):
@@ -39,15 +43,19 @@ def build_hf_tokenizer(tok: TaskTokenizer):
     return hf
 
 
+def load_hf_tokenizer(tok: TaskTokenizer):
+    """`tok` as a `PreTrainedTokenizerFast` in memory (what `save_hf_tokenizer` + `AutoTokenizer` give)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=build_hf_tokenizer(tok), **TOKENIZER_SETTINGS)
+
+
 def save_hf_tokenizer(tok: TaskTokenizer, directory: str | os.PathLike) -> Path:
     """Write the HF tokenizer files of `tok` into `directory` (each file atomically) -> the directory."""
     target = Path(directory)
     target.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(target / "tokenizer.json", build_hf_tokenizer(tok).to_str(pretty=True).encode())
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_NAMES["bos"],
-              "eos_token": SPECIAL_NAMES["eos"], "pad_token": SPECIAL_NAMES["pad"],
-              "additional_special_tokens": [IMAGE_PLACEHOLDER], "chat_template": CHAT_TEMPLATE,
-              "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **TOKENIZER_SETTINGS}
     write_bytes_atomic(target / "tokenizer_config.json", (json.dumps(config, indent=1) + "\n").encode())
     special = {k: v for k, v in config.items() if k.endswith("_token") or k == "additional_special_tokens"}
     write_bytes_atomic(target / "special_tokens_map.json", (json.dumps(special, indent=1) + "\n").encode())

@@ -18,6 +18,7 @@ from dsv4flash.atomic_io import write_bytes_atomic
 from dsv4flash.config import DSV41FlashConfig, load_config
 
 IMAGE_PLACEHOLDER = "<image>"
+TASK_TOKENIZER_KIND = "dsv4flash-task-words"  # `kind` in the task tokenizer.json
 FIRST_SYMBOL_ID = 3
 
 # Order is the id order: never reorder or delete, only append (ids are baked into base models).
@@ -95,7 +96,7 @@ class TaskTokenizer:
     def save(self, directory: str | os.PathLike) -> None:
         """Write `tokenizer.json` (symbols and special ids) atomically."""
         path = Path(directory) / "tokenizer.json"
-        data = {"kind": "dsv4flash-task-words", "first_symbol_id": FIRST_SYMBOL_ID, "symbols": list(self.symbols),
+        data = {"kind": TASK_TOKENIZER_KIND, "first_symbol_id": FIRST_SYMBOL_ID, "symbols": list(self.symbols),
                 "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id, "image_id": self.image_id}
         write_bytes_atomic(path, (json.dumps(data, indent=1) + "\n").encode())
 

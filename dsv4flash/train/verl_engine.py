@@ -81,7 +81,8 @@ TASK_TOKENIZER_KIND = "dsv4flash-task-words"
 
 def task_tokenizer_for(cfg: Any, out: Path) -> Path | None:
     """`<out>/verl_tokenizer` holding the HF form of the task tokenizer when `model.hf_path` is a dsv4flash base
-    (its tokenizer.json is the task vocabulary, which transformers cannot read); None for real checkpoints."""
+    (its tokenizer.json is the task vocabulary, which transformers cannot read), and the V4.1 processor's files
+    when the base has a vision tower; None for real checkpoints."""
     import json
 
     if not cfg.model.hf_path:
@@ -96,7 +97,14 @@ def task_tokenizer_for(cfg: Any, out: Path) -> Path | None:
     from dsv4flash.tasks import TaskTokenizer
     from dsv4flash.tasks.hf_tokenizer import save_hf_tokenizer
 
-    return save_hf_tokenizer(TaskTokenizer.load(own.parent, cfg.model.flavour), out / "verl_tokenizer")
+    target = save_hf_tokenizer(TaskTokenizer.load(own.parent, cfg.model.flavour), out / "verl_tokenizer")
+    from dsv4flash.engine.model_io import base_config
+
+    if base_config(own.parent).vision.enabled:  # image prompts: veRL's hf_processor loads the V4.1 processor from here
+        from dsv4flash.hf.processing import save_processor_files
+
+        save_processor_files(own.parent, target)
+    return target
 
 
 def run_verl(cfg: Any, output_dir: str | Path, *, log=print) -> dict[str, Any]:

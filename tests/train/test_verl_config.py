@@ -200,3 +200,7 @@ def test_a_dsv4flash_base_gets_its_task_tokenizer_in_hf_form(tmp_path):
     prompt = "how many triangles ? <image>"
     assert hf(prompt, add_special_tokens=False)["input_ids"] == TaskTokenizer(mcfg).encode(prompt)
     assert f"actor_rollout_ref.model.tokenizer_path=$here/verl_tokenizer" in (out / "launch_verl.sh").read_text()
+    # The tiny base has a vision tower: the same directory is the V4.1 processor's (veRL's hf_processor loads it).
+    from transformers import AutoProcessor
+
+    assert type(AutoProcessor.from_pretrained(str(out / "verl_tokenizer"))).__name__ == "DeepseekV41Processor"

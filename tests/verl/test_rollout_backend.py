@@ -140,6 +140,27 @@ def test_engine_samples_the_synced_adapter_unmerged_and_records_compact_routes(b
     assert again.token_ids == out.token_ids and again.log_probs == out.log_probs and engine.version == 2
 
 
+def test_an_expanded_prompt_is_served_as_its_compact_form(base_dir):
+    """veRL's multimodal tokenization (the V4.1 HF processor) sends image spans expanded, as vLLM receives them:
+    the same sample, log-probs and compact routes as the compact prompt; a count fitting neither form is refused."""
+    from dsv4flash.integrations.verl.rollout.engine import RolloutEngine
+    from dsv4flash.model.image import prepare_vl_inputs
+
+    engine = RolloutEngine(base_dir)
+    cfg = engine.cfg
+    prompt, images = _prompt(cfg, True), [_image(0)]
+    expanded = prepare_vl_inputs(prompt, images, cfg, dtype=torch.float32)[0].tolist()
+    assert len(expanded) > len(prompt)
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "seed": 5}
+    a = engine.generate(prompt, dict(params), max_tokens=4, images=images, ignore_eos=True, record_routes=True)
+    b = engine.generate(expanded, dict(params), max_tokens=4, images=images, ignore_eos=True, record_routes=True)
+    assert a.token_ids == b.token_ids and a.log_probs == b.log_probs
+    assert np.array_equal(a.routed_experts, b.routed_experts)
+    with pytest.raises(ValueError, match="neither one placeholder per image .1. nor the images' expanded spans"):
+        engine.generate(prompt[:3] + [cfg.image_token_id] * 2 + prompt[4:], dict(params), max_tokens=1,
+                        images=images)
+
+
 def test_prompt_logprobs_take_vllms_layout(base_dir, reference):
     """`prompt_logprobs` (veRL's teacher / scoring path): per prompt token 1 … S−1, then a dummy row."""
     from dsv4flash.integrations.verl.rollout.engine import RolloutEngine

@@ -12,6 +12,7 @@
 | DSV41-VERL-008 | `rollout_register`    | `register_rollout`: a public register function for rollouts    |
 | DSV41-VERL-009 | `provider_peft`       | the Megatron engine takes a provider's own PEFT (`provide_peft`) |
 | DSV41-VERL-010 | `fp32_engine`         | the Megatron engine accepts `dtype=float32`                    |
+| DSV41-VERL-011 | `processor_1d_rope`   | `hf_processor` keeps the processor of a 1-D RoPE multimodal model |
 
 The upstream form of each lives in `patches/verl/` under the same Patch-Id. Importing these modules never
 imports veRL; `install()` does.

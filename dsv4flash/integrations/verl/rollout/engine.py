@@ -109,9 +109,11 @@ class RolloutEngine:
 
     def generate(self, prompt_ids: list[int], sampling_params: dict, *, max_tokens: int, images=None,
                  ignore_eos: bool = False, record_routes: bool = False) -> Generation:
-        """Sample one continuation of `prompt_ids` (compact, images given separately) with the current adapter."""
+        """Sample one continuation of `prompt_ids` (compact or with expanded image spans; images given separately)
+        with the current adapter; routes and prompt log-probs are always in the compact layout."""
         from dsv4flash.engine.sampling import generate
-        from dsv4flash.model.image import TEXT, prepare_vl_inputs
+        from dsv4flash.model.image import (TEXT, ImageInput, compact_image_placeholders, prepare_vl_inputs,
+                                           preprocess_image)
         from dsv4flash.replay import reference
         from dsv4flash.service.compute.sampling import process_logits
         from dsv4flash.service.types import SamplingParams
@@ -137,8 +139,11 @@ class RolloutEngine:
         if bad:
             raise ValueError(f"dsv4flash rollout: prompt token at position {bad[0]} is {prompt_ids[bad[0]]}, "
                              f"outside the vocabulary [0, {vocab})")
-        images = list(images or [])
+        images = [img if isinstance(img, ImageInput) else preprocess_image(img, self.cfg, torch.float32)
+                  for img in (images or [])]
         if images:
+            # veRL's multimodal tokenization (a HF processor) sends the spans expanded, as vLLM receives them.
+            prompt_ids = compact_image_placeholders(prompt_ids, images, self.cfg)
             ids, types, inputs = prepare_vl_inputs(prompt_ids, images, self.cfg, dtype=torch.float32)
         else:
             ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
