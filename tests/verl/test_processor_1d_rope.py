@@ -64,8 +64,9 @@ def test_an_unlisted_processor_of_an_mrope_model_is_still_refused():
 
 
 def test_stock_verl_drops_the_processor(dirs):
-    from verl.utils import hf_processor
-
     base, _ = dirs
     with stock(PATCH_ID), pytest.warns(UserWarning, match="Unsupported processor type: DeepseekV41Processor"):
+        # Looked up inside the block: a name bound while the twin was applied would still be the twin's.
+        from verl.utils import hf_processor
+
         assert hf_processor(str(base)) is None
