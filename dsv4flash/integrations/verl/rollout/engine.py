@@ -1,6 +1,6 @@
 """The reference engine behind the dsv4flash rollout server: one resident base, the synced adapter bound per call.
 
-`RolloutEngine` holds the base once (`dsv4flash.service.resident.ResidentBase`); an adapter sync never merges:
+`RolloutEngine` holds the base once (`dsv4flash.service.compute.resident.ResidentBase`); an adapter sync never merges:
 the received LoRA tensors become a placement shell's factors, plugged in for each generation (`bind`). A
 request is one prompt (compact: one `image_token_id` placeholder per image) sampled with the CSA2 decode
 cache (`dsv4flash.engine.sampling.generate`); the routes every MoE gate chose are recorded during that very
@@ -45,7 +45,7 @@ class RolloutEngine:
 
     def __init__(self, base_dir: str | Path, *, seed: int = 0, dtype: str = "float32") -> None:
         from dsv4flash.engine import model_io
-        from dsv4flash.service.resident import ResidentBase
+        from dsv4flash.service.compute.resident import ResidentBase
 
         if dtype not in DTYPES:
             raise ValueError(f"actor_rollout_ref.rollout.dtype={dtype!r}: the dsv4flash rollout computes in one of "
@@ -113,7 +113,7 @@ class RolloutEngine:
         from dsv4flash.engine.sampling import generate
         from dsv4flash.model.image import TEXT, prepare_vl_inputs
         from dsv4flash.replay import reference
-        from dsv4flash.service.sampling import process_logits
+        from dsv4flash.service.compute.sampling import process_logits
         from dsv4flash.service.types import SamplingParams
 
         unknown = sorted(set(sampling_params) - _KNOWN_PARAMS)
@@ -168,7 +168,7 @@ class RolloutEngine:
     @contextlib.contextmanager
     def _model(self):
         """(model, adapter version) under the base lock: the shell with the adapter bound, or the bare base."""
-        from dsv4flash.service.sampling import _plain
+        from dsv4flash.service.compute.sampling import _plain
 
         with self.base.lock:  # re-entrant: `bind` takes it again; a sync swaps the adapter under it too
             adapter, version = self.adapter, self.version
