@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "decode": "cached incremental decode vs full recompute tokens/s at 64/256/1024 tokens, prefill tok/s, shared-prefill cache memory",
     "handoff": "trainer -> sampler handoff: adapter revision vs merged full checkpoint, bytes and time (tiny measured, V4.1 computed)",
     "service_http": "dsv4flash serve via the tinker SDK vs in-process: fwd+bwd+optim and sample p50/p99, 3 concurrent GRPO clients vs sequential",
+    "verl_step": "veRL GRPO step on CPU split into rollout / weight sync / replay / update / publish vs the embedded engine's GRPO step",
     "service": "policy service: shared-encoder multi-adapter scoring (N=1..8) and decode steps, concurrent vs sequential GRPO makespan/busy/idle/peak RSS",
 }
 

@@ -222,6 +222,9 @@ class VerlEngine:
     project_name: str = "dsv4flash"
     test_freq: int = 10
     save_freq: int = 50
+    # publish every checkpointed step (save_freq) as a lifecycle revision of policy <recipe> in <output_dir>/lifecycle
+    # and resume from that policy's head (dsv4flash.integrations.verl.lifecycle_trainer; legacy trainer only)
+    publish: bool = False
     # raw veRL overrides appended last (Hydra override grammar against verl's ppo_trainer)
     overrides: list[str] = field(default_factory=list)
 

@@ -124,7 +124,7 @@ def _lora(cfg: Any):
 # Keys whose values are paths inside the run directory; the config holds them relative to it (so it moves
 # with the directory) and each launch pins them to where the directory is (`pin_run_dir`, launch_verl.sh).
 RUN_DIR_KEYS = ("data.train_files", "data.val_files", "trainer.default_local_dir",
-                "actor_rollout_ref.model.tokenizer_path")
+                "actor_rollout_ref.model.tokenizer_path", "trainer.dsv4flash_lifecycle.store")
 
 
 def run_relative(path: str, output_dir: str) -> str:
@@ -247,7 +247,12 @@ def verl_overrides(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str
         })
     settings.update(_rollout_correction(algo))
     settings.update(_lora_settings(cfg, mcfg))
-    return [f"{key}={hydra_value(value)}" for key, value in settings.items()] + list(eng.overrides)
+    added = {}
+    if eng.publish:  # keys veRL does not know: read by dsv4flash's LifecycleRayPPOTrainer
+        added = {"trainer.dsv4flash_lifecycle.store": run_relative(f"{output_dir}/lifecycle", output_dir),
+                 "trainer.dsv4flash_lifecycle.policy": cfg.recipe}
+    return ([f"{key}={hydra_value(value)}" for key, value in settings.items()]
+            + [f"+{key}={hydra_value(value)}" for key, value in added.items()] + list(eng.overrides))
 
 
 def _rollout_correction(algo: Any) -> dict[str, Any]:

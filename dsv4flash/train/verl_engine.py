@@ -37,7 +37,8 @@ def launch_script(config: DictConfig) -> str:
     `ray job submit --working-dir RUN_DIR -- bash launch_verl.sh`.
     """
     pins = "".join(f' \\\n  "{key}=$here/{OmegaConf.select(config, key)}"' for key in RUN_DIR_KEYS
-                   if not os.path.isabs(str(OmegaConf.select(config, key))))
+                   if OmegaConf.select(config, key) is not None
+                   and not os.path.isabs(str(OmegaConf.select(config, key))))
     return ("#!/usr/bin/env bash\n"
             "# Launch veRL GRPO with the validated config next to this script (run on the Ray head node).\n"
             "set -euo pipefail\n"
@@ -68,8 +69,13 @@ def launch(config: DictConfig, run_dir: Path) -> None:
 
     config = pin_run_dir(config, str(run_dir))
     auto_set_device(config)
+    publishing = OmegaConf.select(config, "trainer.dsv4flash_lifecycle") is not None
     if config.trainer.use_v1:
         run_ppo(config, task_runner_class=TaskRunnerV1)
+    elif publishing:
+        from dsv4flash.integrations.verl.lifecycle_trainer import lifecycle_task_runner
+
+        run_ppo(config, task_runner_class=lifecycle_task_runner())
     else:
         from verl.trainer.main_ppo_v0 import TaskRunner
 
@@ -124,6 +130,9 @@ def run_verl(cfg: Any, output_dir: str | Path, *, log=print) -> dict[str, Any]:
         config = build_verl_config(cfg, data_dir=str(data_dir), output_dir=str(out),
                                    reward_path=REWARD_FUNCTION_MODULE,
                                    tokenizer_path=None if tokenizer_dir is None else str(tokenizer_dir))
+        if eng.publish and config.trainer.use_v1:
+            raise VerlConfigError("engine.publish=true needs veRL's legacy trainer (trainer.use_v1=false in "
+                                  "engine.overrides): the lifecycle hook subclasses RayPPOTrainer")
     except Exception:
         if tokenizer_dir is not None:
             import shutil

@@ -204,3 +204,29 @@ def test_a_dsv4flash_base_gets_its_task_tokenizer_in_hf_form(tmp_path):
     from transformers import AutoProcessor
 
     assert type(AutoProcessor.from_pretrained(str(out / "verl_tokenizer"))).__name__ == "DeepseekV41Processor"
+
+
+def test_the_cpu_recipe_publishes_to_a_run_relative_store_and_v1_is_refused(tmp_path):
+    """engine.publish: the lifecycle section veRL's config carries (run-relative store, policy = recipe, pinned by
+    launch_verl.sh); with veRL's v1 trainer, which has no trainer hook, it is a config-time error leaving nothing."""
+    from omegaconf import OmegaConf
+
+    from dsv4flash.engine.model_io import save_base
+    from dsv4flash.model.transformer import Transformer
+    from dsv4flash.tasks import TaskTokenizer
+    from dsv4flash.train.verl_engine import run_verl
+
+    mcfg = load_config("tiny")
+    base = save_base(Transformer(mcfg, seed=0), mcfg, TaskTokenizer(mcfg), tmp_path / "base", {"kind": "test"})
+    cfg = to_train_config(compose("decoder_lora_verl_cpu", [f"model.hf_path={base}", "engine.launch=never"]))
+    out = tmp_path / "run"
+    written = OmegaConf.load(run_verl(cfg, out, log=lambda *_: None)["config"])
+    assert OmegaConf.to_container(written.trainer.dsv4flash_lifecycle) == {"store": "lifecycle",
+                                                                            "policy": "decoder_lora_verl_cpu"}
+    assert written.trainer.save_freq == 1
+    assert "trainer.dsv4flash_lifecycle.store=$here/lifecycle" in (out / "launch_verl.sh").read_text()
+    v1 = to_train_config(compose("decoder_lora_verl_cpu", [f"model.hf_path={base}", "engine.launch=never",
+                                                           'engine.overrides=["trainer.use_v1=true"]']))
+    with pytest.raises(VerlConfigError, match="engine.publish=true needs veRL's legacy trainer"):
+        run_verl(v1, tmp_path / "v1", log=lambda *_: None)
+    assert not (tmp_path / "v1" / "verl_ppo_trainer.yaml").exists() and not (tmp_path / "v1" / "verl_data").exists()

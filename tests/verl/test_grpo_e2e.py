@@ -84,3 +84,55 @@ def test_the_checkpoint_holds_the_unmerged_adapter(run):
     assert (out / "verl_checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     adapter = step / "model" / "huggingface" / "adapter"
     assert adapter.is_dir() and any(adapter.iterdir())
+
+
+def test_every_step_is_a_published_lifecycle_revision(run):
+    """The policy record of the run: head = step 2 chained onto step 1, each with veRL's step folder as trainer
+    state, scheduler/data position, the base fingerprint and the rollout records of the batch it trained on."""
+    import io
+    import tarfile
+
+    from omegaconf import OmegaConf
+
+    from dsv4flash.engine.model_io import base_config
+    from dsv4flash.integrations.verl.publish import step_adapter
+    from dsv4flash.lifecycle import AdapterStore, base_fingerprint
+
+    out, log = run
+    base = out.parent / "base"
+    store = AdapterStore.open(out / "lifecycle")
+    policy = store.policy("decoder_lora_verl_cpu")
+    assert policy.base.digest == base_fingerprint(base_config(base)).digest
+    head = store.resolve("decoder_lora_verl_cpu:head")
+    first = store.resolve("decoder_lora_verl_cpu:step-1")
+    assert head.step == 2 and head.parent == first.id and first.step == 1 and first.parent is None
+    assert f"published step 2 as revision {head.id[:12]}" in log
+    steps = _metrics(log)
+    written = OmegaConf.load(out / "verl_ppo_trainer.yaml")
+    for rev, step in ((first, 1), (head, 2)):
+        loaded = store.load(rev.id, resident_base=policy.base)  # hash- and base-checked
+        assert loaded.manifest.format == "packed_moe_lora/1" and loaded.manifest.step == step
+        # the revision is veRL's checkpointed adapter of that step, bit for bit
+        ckpt, _ = step_adapter(out / "verl_checkpoints" / f"global_step_{step}", base_config(base))
+        expected = ckpt.to_packed_tensors()
+        got = store.load_adapter(rev.id).to_packed_tensors()
+        assert expected.keys() == got.keys() and all(torch_equal(expected[k], got[k]) for k in expected)
+        state, blob = store.trainer_state("decoder_lora_verl_cpu", rev.id)
+        assert state.step == step and state.scheduler["global_step"] == step
+        assert state.scheduler["last_lr"] == [steps[step]["actor/lr"]]
+        assert state.data_position["global_step"] == step
+        names = tarfile.open(fileobj=io.BytesIO(blob)).getnames()
+        assert "data.pt" in names and any(n.startswith("actor/") and "optim" in n for n in names), names[:20]
+        records = store.catalog.rollouts("decoder_lora_verl_cpu", rev.id)
+        assert len(records) == written.data.train_batch_size * written.actor_rollout_ref.rollout.n  # prompts x group
+        assert {r["train_step"] for r in records} == {step}
+        assert all("global_steps" in r and "uid" in r and r["adapter_version"] >= 1 for r in records), records[0]
+    v1 = {r["adapter_version"] for r in store.catalog.rollouts("decoder_lora_verl_cpu", first.id)}
+    v2 = {r["adapter_version"] for r in store.catalog.rollouts("decoder_lora_verl_cpu", head.id)}
+    assert min(v2) > max(v1)  # step 2 sampled from the adapter synced after step 1's update
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
