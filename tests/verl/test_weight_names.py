@@ -23,6 +23,8 @@ class _Model(nn.Module):
         from vllm.model_executor.layers.linear import ColumnParallelLinear
 
         base = ColumnParallelLinear(8, 4, bias=False, return_bias=False, params_dtype=torch.float32)
+        with torch.no_grad():  # vLLM allocates with torch.empty: stale memory can hold NaN, which never equals itself
+            base.weight.normal_()
         base.quant_method.process_weights_after_loading(base)
         self.proj = vh.wrap(base, max_loras=1, rank=8)
         self.other = nn.Linear(8, 4, bias=False)
