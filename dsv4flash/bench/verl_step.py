@@ -62,7 +62,10 @@ def step_metrics(log: str) -> dict[int, dict[str, float]]:
 
 
 def _run_verl(base: Path, out: Path, args) -> dict[int, dict[str, float]]:
-    env = {**os.environ, "VERL_PLATFORM": "cpu", "GLOO_SOCKET_IFNAME": "lo", "RAY_USAGE_STATS_ENABLED": "0"}
+    # megatron-core writes NVTE_*_ATTN into os.environ for the backend of any model this process built; the
+    # run picks its own backend and refuses inherited values that disagree.
+    env = {k: v for k, v in os.environ.items() if k not in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")}
+    env.update(VERL_PLATFORM="cpu", GLOO_SOCKET_IFNAME="lo", RAY_USAGE_STATS_ENABLED="0")
     cmd = [sys.executable, "-m", "dsv4flash.train", "+recipe=decoder_lora_verl_cpu", f"model.hf_path={base}",
            f"output_dir={out}", f"engine.total_training_steps={args.steps}", f"engine.train_batch_size={args.prompts}",
            f"engine.ppo_mini_batch_size={args.prompts}", f"algorithm.group_size={args.group_size}"]

@@ -27,11 +27,3 @@ def mcore_parallel():
 
     with parallel.model_parallel(seed=1234):
         yield parallel
-
-
-@pytest.fixture(autouse=True)
-def _no_attention_backend_env_from_earlier_tests(monkeypatch):
-    """megatron-core's `LanguageModule` writes NVTE_FLASH/FUSED/UNFUSED_ATTN into os.environ for the backend of a
-    model built earlier in this process; a veRL run started from here (backend `flash`) would inherit and refuse it."""
-    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
-        monkeypatch.delenv(name, raising=False)

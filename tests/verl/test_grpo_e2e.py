@@ -31,7 +31,10 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("verl_grpo")
     cfg = load_config("tiny")
     base = save_base(Transformer(cfg, seed=0), cfg, TaskTokenizer(cfg), root / "base", {"kind": "test"})
-    env = {**os.environ, "VERL_PLATFORM": "cpu", "GLOO_SOCKET_IFNAME": "lo", "RAY_USAGE_STATS_ENABLED": "0"}
+    # megatron-core writes NVTE_*_ATTN into os.environ for the backend of any model this process built; the
+    # run picks its own backend and refuses inherited values that disagree.
+    env = {k: v for k, v in os.environ.items() if k not in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")}
+    env.update(VERL_PLATFORM="cpu", GLOO_SOCKET_IFNAME="lo", RAY_USAGE_STATS_ENABLED="0")
     proc = subprocess.run(
         [sys.executable, "-m", "dsv4flash.train", "+recipe=decoder_lora_verl_cpu", f"model.hf_path={base}",
          f"output_dir={root / 'run'}"],
