@@ -5,10 +5,11 @@ imports them all. The upstream form of each lives in `patches/megatron-lm/` unde
 """
 
 import functools
+import importlib
 import importlib.util
 from pathlib import Path
 
-from dsv4flash._patching import runtime_patch
+from dsv4flash._patching import MARKER, runtime_patch
 
 # What every megatron-core 0.19 twin shares: target, distribution, upstream status, when to remove it (a twin
 # passes its own version window, and overrides the status where it is a backport).
@@ -28,3 +29,12 @@ def provide_upstream_files(patcher, modules: dict[str, str], root: Path = UPSTRE
         module = importlib.util.module_from_spec(spec)
         patcher.provide_module(name, module)  # registered before it runs: dataclasses look their module up
         spec.loader.exec_module(module)
+
+
+def upstream_ships(modules) -> bool:
+    """Probe: do these modules import from the installed megatron-core itself (not from a twin's provided files)?"""
+    try:
+        loaded = [importlib.import_module(name) for name in modules]
+    except ImportError:
+        return False
+    return not any(getattr(m, MARKER, None) for m in loaded)

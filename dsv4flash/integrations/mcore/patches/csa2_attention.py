@@ -14,10 +14,8 @@ import only megatron-core; the layer state crosses full recompute through DSV41-
 
 from __future__ import annotations
 
-import importlib
-
-from dsv4flash._patching import MARKER, Patcher
-from dsv4flash.integrations.mcore.patches import mcore_twin, provide_upstream_files
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.mcore.patches import mcore_twin, provide_upstream_files, upstream_ships
 
 # Upstream module -> its file under UPSTREAM_SOURCES (= its path in the Megatron-LM repository), in import order.
 MODULES = {
@@ -35,11 +33,7 @@ TOUCHES = (
 
 def upstream_has_csa2() -> bool:
     """Probe: does the installed megatron-core ship the CSA2 attention (not this twin's)?"""
-    try:
-        modules = [importlib.import_module(name) for name in MODULES]
-    except ImportError:
-        return False
-    return not any(getattr(m, MARKER, None) for m in modules)
+    return upstream_ships(MODULES)
 
 
 @mcore_twin(

@@ -14,10 +14,8 @@ executes the patch's own files (`_upstream/`, byte-identical) as those modules o
 
 from __future__ import annotations
 
-import importlib
-
-from dsv4flash._patching import MARKER, Patcher
-from dsv4flash.integrations.mcore.patches import mcore_twin, provide_upstream_files
+from dsv4flash._patching import Patcher
+from dsv4flash.integrations.mcore.patches import mcore_twin, provide_upstream_files, upstream_ships
 
 MODULES = {
     "megatron.core.transformer.hyper_connection": "megatron/core/transformer/hyper_connection.py",
@@ -31,11 +29,7 @@ TOUCHES = (
 
 def upstream_has_hyper_connections() -> bool:
     """Probe: does the installed megatron-core ship the mHC layer (not this twin's)?"""
-    try:
-        modules = [importlib.import_module(name) for name in MODULES]
-    except ImportError:
-        return False
-    return not any(getattr(m, MARKER, None) for m in modules)
+    return upstream_ships(MODULES)
 
 
 @mcore_twin(
