@@ -19,7 +19,8 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from tests.unit_tests.test_utilities import Utils
 
 SEQ, BATCH, HIDDEN = 12, 2, 32
-# theta 10000, rope_dim 8, original context 64, beta 32 / 1: correction range [0, 2], ramp [0, .5, 1, 1]
+# theta 10000, rope_dim 8, original context 64, beta 32 / 1: correction range [0, 2],
+# ramp [0, .5, 1, 1]
 YARN = dict(
     csa2_compressed_rope_theta=10000.0,
     csa2_yarn_factor=4.0,
@@ -74,7 +75,7 @@ def _rms(x, weight, eps):
 
 
 def _rope(x, pos, freqs, inverse=False):
-    """Rotate the interleaved pairs of the last 2 * len(freqs) lanes of x [..., d] at position pos."""
+    """Rotate the interleaved pairs of the last 2 * len(freqs) lanes of x [..., d] at pos."""
     out = x.clone()
     rope_dim, d = 2 * len(freqs), x.shape[-1]
     for p, f in enumerate(freqs.tolist()):
@@ -107,7 +108,8 @@ def _reference_layer(attn, x, state, freqs):
             for i, v in enumerate(h)
         ]
         if kind == "C":  # ratio 1: one compressed key per token, no gate
-            latents = [_rms(attn.compressor.linear_kv.weight @ v, attn.compressor.norm.weight, eps) for v in h]
+            comp = attn.compressor
+            latents = [_rms(comp.linear_kv.weight @ v, comp.norm.weight, eps) for v in h]
             idx = attn.indexer
             new_keys.append([_rope(v, t, freqs) for t, v in enumerate(latents)])
             new_index.append(
@@ -146,11 +148,13 @@ def _reference_layer(attn, x, state, freqs):
             o = []
             for hd in range(attn.heads):
                 logits = kv @ _rope(q[hd], i, freqs) / math.sqrt(attn.head_dim)
-                probs = torch.exp(logits) / (torch.exp(logits).sum() + torch.exp(attn.attn_sink[hd]))
+                sink = torch.exp(attn.attn_sink[hd])
+                probs = torch.exp(logits) / (torch.exp(logits).sum() + sink)
                 o.append(_rope(probs @ kv, i, freqs, inverse=True))
-            groups = torch.stack(o).view(cfg.csa2_output_groups, -1)
-            w_out = attn.linear_o_group_proj.weight.view(cfg.csa2_output_groups, cfg.csa2_output_rank, -1)
-            z = torch.cat([w_out[g] @ groups[g] for g in range(cfg.csa2_output_groups)])
+            n_groups, rank = cfg.csa2_output_groups, cfg.csa2_output_rank
+            groups = torch.stack(o).view(n_groups, -1)
+            w_out = attn.linear_o_group_proj.weight.view(n_groups, rank, -1)
+            z = torch.cat([w_out[g] @ groups[g] for g in range(n_groups)])
             out[i, b] = attn.linear_proj.weight @ z
         new_topk.append(row_topk)
         new_pool.append(row_pool)
@@ -175,7 +179,8 @@ class TestCSA2CompressAndPoolYarn:
         positions = torch.arange(SEQ)
         # Window-only layers keep plain RoPE with their own base; compressed layers get YaRN.
         assert layers[0].yarn_factor == 1.0 and layers[1].yarn_factor == 4.0
-        torch.testing.assert_close(layers[1].rotation(positions).angle()[:, 1], positions * expected[1])
+        angles = layers[1].rotation(positions).angle()
+        torch.testing.assert_close(angles[:, 1], positions * expected[1])
 
     def test_compress_and_pool_layer_matches_plain_computation(self):
         config = _config()

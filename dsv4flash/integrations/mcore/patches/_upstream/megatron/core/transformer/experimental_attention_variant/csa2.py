@@ -11,8 +11,8 @@ attention sink. Layers listed in ``csa2_layer_pattern`` add compressed keys:
 * ``P`` (pool): re-runs the indexer query on the published keys and also publishes a hierarchical
   candidate pool (the best ``csa2_candidate_topk_blocks`` blocks of ``csa2_candidate_block_size``
   entries, the newest visible block always kept);
-* ``C`` (compress and pool): an ``F`` layer that also publishes the candidate pool of its own scores,
-  as ``P`` does; its own top-k still picks among all visible compressed keys;
+* ``C`` (compress and pool): an ``F`` layer that also publishes the candidate pool of its own
+  scores, as ``P`` does; its own top-k still picks among all visible compressed keys;
 * ``I`` (reindex): re-runs the indexer query, restricted to the published pool when there is one;
 * ``R`` (reuse): attends to the top-k published below without an indexer of its own;
 * ``S``: sliding window only.
@@ -66,7 +66,7 @@ class CSA2TransformerConfig(HyperConnectionTransformerConfig):
     I (reindex), R (reuse)."""
 
     csa2_compress_ratios: List[int] = field(default_factory=list)
-    """Compress ratio of each layer; only entries of F and C layers are read (defaults to 4 for all)."""
+    """Compress ratio of each layer; only entries of F and C layers are read (default: 4 for all)."""
 
     csa2_q_lora_rank: int = 64
     """Rank of the low-rank query projection (also the indexer query input)."""
@@ -132,7 +132,9 @@ class CSA2TransformerConfig(HyperConnectionTransformerConfig):
             if kind in "FC" and self.csa2_compress_ratios[i] < 1:
                 raise ValueError(f"csa2_compress_ratios[{i}] of {kind} layer must be >= 1")
         if self.csa2_yarn_factor < 1.0:
-            raise ValueError(f"csa2_yarn_factor must be >= 1 (1 = off), got {self.csa2_yarn_factor}")
+            raise ValueError(
+                f"csa2_yarn_factor must be >= 1 (1 = off), got {self.csa2_yarn_factor}"
+            )
         if self.csa2_yarn_factor != 1.0:
             if self.csa2_yarn_original_max_position_embeddings < 1:
                 raise ValueError(
