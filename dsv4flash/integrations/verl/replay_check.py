@@ -11,7 +11,8 @@ rows (compact routes next to expanded ids: DSV41-VERL-004/013). So every replaye
 * `routing_replay/text_rows_replayed` — replayed (row, MoE layer) pairs;
 * `routing_replay/image_rows_native` — rows the batch marks native (`r3_native_rows`: image spans).
 
-They reach veRL's step metrics through the engine's per-micro-batch `metrics` (summed over micro-batches).
+They reach veRL's step metrics through the engine's per-micro-batch `metrics` (summed over micro-batches; the
+trainer logs the update's as `actor/routing_replay/*`).
 This is dsv4flash instrumentation, not a veRL fix: `install()` wraps veRL's `RouterReplay.get_replay_topk`
 (where veRL already computes the native experts next to the replayed ones) and the engine's
 `postprocess_micro_batch_func`; the counting is `count_mismatches`.
@@ -71,12 +72,13 @@ def install() -> None:
 
     def postprocess_micro_batch_func(self, output, data, *args, **kwargs):
         """veRL's micro-batch output, with the replay check of that micro-batch's forward in its metrics."""
-        out = postprocess(self, output, data, *args, **kwargs)
+        out = postprocess(self, output, data, *args, **kwargs)  # (loss, [num_tokens,] output dict)
         mismatch, replayed = _take()
+        result = out[-1] if isinstance(out, tuple) else out
         native = data.get("r3_native_rows", None) if hasattr(data, "get") else None
         if replayed or native is not None:
             n_native = int((native.values() if native.is_nested else native).sum()) if native is not None else 0
-            out.setdefault("metrics", {}).update({
+            result.setdefault("metrics", {}).update({
                 KEYS[0]: Metric(AggregationType.SUM, mismatch),
                 KEYS[1]: Metric(AggregationType.SUM, replayed),
                 KEYS[2]: Metric(AggregationType.SUM, n_native),
