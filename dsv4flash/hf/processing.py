@@ -184,7 +184,10 @@ class DeepseekV41Processor(ProcessorMixin):
 
         types = multi_modal_inputs.get("token_types") if multi_modal_inputs else None
         if types is None:
-            types = torch.full((len(token_ids),), -1, dtype=torch.int64)  # no processor pass: a text-only sample
+            if any(int(t) == self.image_token_id for t in token_ids):
+                raise ValueError("routing_replay_rows: the sample has image tokens but multi_modal_inputs has no "
+                                 "token_types (compute them with token_aligned_inputs)")
+            types = torch.full((len(token_ids),), -1, dtype=torch.int64)  # a text-only sample
         types = torch.as_tensor(types).reshape(-1)
         if types.numel() != len(token_ids):
             raise ValueError(f"routing_replay_rows: token_types has {types.numel()} rows but the sample has "

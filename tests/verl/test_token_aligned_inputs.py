@@ -72,3 +72,17 @@ def test_stock_verl_loses_the_image_placeholder(trajectory):
     _, model_config, out, _, _ = trajectory
     with stock(PATCH_ID), pytest.raises(ValueError, match="1 images given but the text has 0 <image> placeholders"):
         _worker(model_config)._compute_multi_modal_inputs(out, _padded_ids(out))
+
+
+def test_a_text_trajectory_and_a_missing_token_types_input(trajectory):
+    """Text prompts (the arithmetic recipe) get all-text token_types and an identity row map; image tokens
+    without token_types are refused rather than replayed row for row."""
+    _, model_config, out, _, _ = trajectory
+    proc = model_config.processor
+    ids = [proc.tokenizer.bos_token_id, *out.response_ids]
+    types = proc.token_aligned_inputs(ids)["token_types"]
+    assert types.tolist() == [[-1] * len(ids)]
+    row_map, native = proc.routing_replay_rows(ids, len(ids) - 1, {"token_types": types})
+    assert row_map.tolist() == list(range(len(ids) - 1)) and not bool(native.any())
+    with pytest.raises(ValueError, match="has image tokens but multi_modal_inputs has no token_types"):
+        proc.routing_replay_rows(list(out.prompt_ids), len(out.prompt_ids) - 1, {})
