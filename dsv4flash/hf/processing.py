@@ -20,7 +20,7 @@ from transformers.image_processing_utils import BaseImageProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from dsv4flash.config import VisionConfig
-from dsv4flash.model.image import ImageInput, expand_image_placeholders, preprocess_image
+from dsv4flash.model.image import ImageInput, compact_image_placeholders, expand_image_placeholders, preprocess_image
 
 __all__ = ["DeepseekV41ImageProcessor", "DeepseekV41Processor", "PROCESSOR_CHAT_TEMPLATE", "save_processor_files"]
 
@@ -149,6 +149,51 @@ class DeepseekV41Processor(ProcessorMixin):
         if pixels is not None:
             data.update(pixels)
         return BatchFeature(data, tensor_type=return_tensors)
+
+    def token_aligned_inputs(self, token_ids: Sequence[int], images: Any = None, videos: Any = None,
+                             **kwargs) -> BatchFeature:
+        """Model inputs of token ids that already hold the images' expanded spans (a sampled trajectory):
+        `token_types` [1, S] aligned with `token_ids` and the pixel inputs, with no decode/re-tokenize round
+        trip (decoding drops `<image>` and bos/eos, which the span positions depend on)."""
+        if videos is not None:
+            raise ValueError("DeepseekV41Processor: videos are not supported (images only)")
+        pixels = self.image_processor(images, return_tensors="pt") if images is not None else None
+        inputs = [] if pixels is None else _split(pixels["pixel_values"], pixels["image_grid_hw"])
+        span_cfg = _SpanConfig(self.image_token_id, self.image_processor.vision)
+        ids = [int(t) for t in token_ids]
+        compact = compact_image_placeholders(ids, inputs, span_cfg)
+        expanded, types = expand_image_placeholders(compact, inputs, span_cfg)
+        if expanded.tolist() != ids:
+            raise ValueError(f"DeepseekV41Processor: the token ids' image spans do not match the {len(inputs)} "
+                             "images given (span lengths differ from the images' token grids)")
+        data = {"token_types": types[None]}
+        if pixels is not None:
+            data.update(pixels)
+        return BatchFeature(data, tensor_type=kwargs.get("return_tensors", "pt"))
+
+    def routing_replay_rows(self, token_ids: Sequence[int], num_route_rows: int,
+                            multi_modal_inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Text-only routing replay of one sample: (row_map [num_route_rows], native_rows [len(token_ids)]).
+
+        The rollout records routes on the compact sequence (one placeholder per image), training runs on the
+        expanded one (`token_ids`, the spans as this processor writes them): `row_map` is the training row of
+        each recorded route row (−1 = never replayed), `native_rows` the image-span rows, routed with `bias_vl`
+        (`dsv4flash.replay.r3_batch_keys` on the `ImageSpanLayout` of `multi_modal_inputs["token_types"]`).
+        """
+        from dsv4flash.replay import ImageSpanLayout, r3_batch_keys
+
+        types = multi_modal_inputs.get("token_types") if multi_modal_inputs else None
+        if types is None:
+            if any(int(t) == self.image_token_id for t in token_ids):
+                raise ValueError("routing_replay_rows: the sample has image tokens but multi_modal_inputs has no "
+                                 "token_types (compute them with token_aligned_inputs)")
+            types = torch.full((len(token_ids),), -1, dtype=torch.int64)  # a text-only sample
+        types = torch.as_tensor(types).reshape(-1)
+        if types.numel() != len(token_ids):
+            raise ValueError(f"routing_replay_rows: token_types has {types.numel()} rows but the sample has "
+                             f"{len(token_ids)} tokens (prompt + response)")
+        keys = r3_batch_keys([ImageSpanLayout.from_token_types(types)], [int(num_route_rows)])
+        return keys["r3_row_map"].unbind()[0], keys["r3_native_rows"].unbind()[0]
 
     def batch_decode(self, *args, **kwargs):
         """The tokenizer's `batch_decode`."""

@@ -247,12 +247,24 @@ def verl_overrides(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str
         })
     settings.update(_rollout_correction(algo))
     settings.update(_lora_settings(cfg, mcfg))
+    settings.update(_dataset_class(cfg))
     added = {}
     if eng.publish:  # keys veRL does not know: read by dsv4flash's LifecycleRayPPOTrainer
         added = {"trainer.dsv4flash_lifecycle.store": run_relative(f"{output_dir}/lifecycle", output_dir),
                  "trainer.dsv4flash_lifecycle.policy": cfg.recipe}
     return ([f"{key}={hydra_value(value)}" for key, value in settings.items()]
             + [f"+{key}={hydra_value(value)}" for key, value in added.items()] + list(eng.overrides))
+
+
+def _dataset_class(cfg: Any) -> dict[str, Any]:
+    """Image tasks read through `ImagePromptDataset` (veRL's stock image extraction resizes Qwen's way with
+    `qwen_vl_utils`; the V4.1 processor does the model's own resize); text tasks keep veRL's `RLHFDataset`."""
+    from dsv4flash.tasks import TASKS
+
+    if not any(getattr(TASKS.get(name), "multimodal", False) for name in cfg.data.tasks):
+        return {}
+    return {"data.custom_cls.path": "pkg://dsv4flash.integrations.verl.dataset",
+            "data.custom_cls.name": "ImagePromptDataset"}
 
 
 def _rollout_correction(algo: Any) -> dict[str, Any]:

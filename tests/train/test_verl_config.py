@@ -230,3 +230,14 @@ def test_the_cpu_recipe_publishes_to_a_run_relative_store_and_v1_is_refused(tmp_
     with pytest.raises(VerlConfigError, match="engine.publish=true needs veRL's legacy trainer"):
         run_verl(v1, tmp_path / "v1", log=lambda *_: None)
     assert not (tmp_path / "v1" / "verl_ppo_trainer.yaml").exists() and not (tmp_path / "v1" / "verl_data").exists()
+
+
+def test_image_tasks_read_through_the_image_prompt_dataset():
+    """`data.custom_cls` is dsv4flash's ImagePromptDataset for an image task (geometry), veRL's own otherwise."""
+    images = _build("decoder_lora", ["data=geometry"])
+    assert (images.data.custom_cls.path, images.data.custom_cls.name) == (
+        "pkg://dsv4flash.integrations.verl.dataset", "ImagePromptDataset")
+    assert _build("decoder_lora", ["data=arithmetic"]).data.custom_cls.path is None
+    sibling = to_train_config(compose("decoder_lora_verl_cpu_geometry", ["model.hf_path=/cluster/base"]))
+    assert list(sibling.data.tasks) == ["geometry"] and sibling.engine.overrides == to_train_config(
+        compose("decoder_lora_verl_cpu", ["model.hf_path=/cluster/base"])).engine.overrides

@@ -7,6 +7,13 @@ Checked from the run's own log: 2 GRPO steps finish; after every sync veRL's rol
 (`training/rollout_probs_diff_max`: the rollout server's per-token probabilities of the sampled responses
 against the Megatron actor's recomputation) is within 1e-5; the rollout correction (TIS) reports its clipped
 fractions; the actor checkpoint holds the unmerged adapter.
+
+The image-prompt sibling (`+recipe=decoder_lora_verl_cpu_geometry`: geometry pictures, `ImagePromptDataset`, the
+in-model ViT fed by veRL's batch through DSV41-VERL-012/014) checks the same numerics on image prompts, which
+hold only if the actor's ViT sees the rollout's pixels, and the text-only routing replay in the run
+(DSV41-VERL-013 + 004): every step the replayed text rows are the experts the actor's own router picks
+(`actor/routing_replay/text_rows_mismatch` = 0 over `actor/routing_replay/text_rows_replayed` > 0) while image
+rows route natively (`actor/routing_replay/image_rows_native` > 0).
 """
 
 from __future__ import annotations
@@ -21,14 +28,14 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.upstream]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def _run_recipe(tmp_path_factory, recipe: str, name: str):
+    """`python -m dsv4flash.train +recipe=RECIPE` on a seeded tiny base -> (run dir, log)."""
     from dsv4flash.config import load_config
     from dsv4flash.engine.model_io import save_base
     from dsv4flash.model.transformer import Transformer
     from dsv4flash.tasks import TaskTokenizer
 
-    root = tmp_path_factory.mktemp("verl_grpo")
+    root = tmp_path_factory.mktemp(name)
     cfg = load_config("tiny")
     base = save_base(Transformer(cfg, seed=0), cfg, TaskTokenizer(cfg), root / "base", {"kind": "test"})
     # megatron-core writes NVTE_*_ATTN into os.environ for the backend of any model this process built; the
@@ -36,12 +43,22 @@ def run(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")}
     env.update(VERL_PLATFORM="cpu", GLOO_SOCKET_IFNAME="lo", RAY_USAGE_STATS_ENABLED="0")
     proc = subprocess.run(
-        [sys.executable, "-m", "dsv4flash.train", "+recipe=decoder_lora_verl_cpu", f"model.hf_path={base}",
+        [sys.executable, "-m", "dsv4flash.train", f"+recipe={recipe}", f"model.hf_path={base}",
          f"output_dir={root / 'run'}"],
         env=env, capture_output=True, text=True, timeout=1500)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     return root / "run", log
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return _run_recipe(tmp_path_factory, "decoder_lora_verl_cpu", "verl_grpo")
+
+
+@pytest.fixture(scope="module")
+def image_run(tmp_path_factory):
+    return _run_recipe(tmp_path_factory, "decoder_lora_verl_cpu_geometry", "verl_grpo_images")
 
 
 _NUMBER = re.compile(r"(?:np\.\w+\()?(-?\d[\d.]*(?:e[-+]?\d+)?|nan|-?inf)\)?")
@@ -139,3 +156,16 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_image_prompts_through_the_vit_with_text_only_routing_replay(image_run):
+    out, log = image_run
+    steps = _metrics(log)
+    assert {1, 2} <= set(steps), sorted(steps)
+    assert "ImagePromptDataset" in (out / "verl_ppo_trainer.yaml").read_text()
+    for step in (1, 2):
+        m = steps[step]
+        # the rollout's image-prompt log-probs are the actor's only if the actor's ViT got the rollout's pixels
+        assert m["training/rollout_probs_diff_max"] <= 1e-5, m["training/rollout_probs_diff_max"]
+        assert m["actor/routing_replay/text_rows_replayed"] > 0 and m["actor/routing_replay/image_rows_native"] > 0, m
+        assert m["actor/routing_replay/text_rows_mismatch"] == 0, m

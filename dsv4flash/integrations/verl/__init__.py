@@ -17,7 +17,10 @@ vLLM on a trainer node, no megatron-core on a rollout node) is skipped and repor
 * DSV41-VERL-008 — `register_rollout`, a public register function for rollout backends;
 * DSV41-VERL-009 — the Megatron engine takes a provider's own PEFT (`provider.provide_peft`);
 * DSV41-VERL-010 — the Megatron engine accepts `dtype=float32` (full precision);
-* DSV41-VERL-011 — `hf_processor` keeps the processor of a multimodal model with 1-D RoPE (V4.1's).
+* DSV41-VERL-011 — `hf_processor` keeps the processor of a multimodal model with 1-D RoPE (V4.1's);
+* DSV41-VERL-012 — the Megatron forward functions pass every multimodal input the model's forward declares;
+* DSV41-VERL-013 — the agent loop asks the processor where recorded routes replay (`r3_row_map`, `r3_native_rows`);
+* DSV41-VERL-014 — token-aligned multimodal inputs (V4.1's `token_types`) come from the trajectory's token ids.
 
 Loading the plugin also registers the CPU development platform (`cpu_platform`, `VERL_PLATFORM=cpu`) and,
 once `megatron.bridge` is imported, the project's Megatron-Bridge bridge (`register_bridge_when_imported`).
@@ -51,6 +54,9 @@ TRIGGERS = {
     "DSV41-VERL-009": "verl.workers.config.megatron_peft",
     "DSV41-VERL-010": "verl.workers.config.engine",
     "DSV41-VERL-011": "verl.workers.config.model",  # veRL's processor consumer; verl.utils is complete by then
+    "DSV41-VERL-012": "verl.models.mcore",  # the package: its registry binds the forward functions by name
+    "DSV41-VERL-013": "verl.experimental.agent_loop.agent_loop",  # also patches padding (imported by then)
+    "DSV41-VERL-014": "verl.experimental.agent_loop.agent_loop",
 }
 OUTCOMES: dict = {}
 

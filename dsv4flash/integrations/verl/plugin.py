@@ -12,6 +12,7 @@ try:
     from dsv4flash.integrations.verl import register, register_bridge_when_imported
     from dsv4flash.integrations.verl.cpu_platform import (enter_cpu_development_mode, register_cpu_engines,
                                                              register_platform)
+    from dsv4flash.integrations.verl.replay_check import install_when_imported as install_replay_check
     from dsv4flash.integrations.verl.rollout import register_when_imported as register_rollout_backend
 
     register_platform()  # selectable with VERL_PLATFORM=cpu only; never auto-detected
@@ -19,6 +20,7 @@ try:
     enter_cpu_development_mode()  # VERL_PLATFORM=cpu only: megatron-core redirect, megatron-bridge import shims
     register_bridge_when_imported()  # veRL's Megatron engine calls AutoBridge.from_hf_pretrained on V4.1
     register_rollout_backend()  # rollout.name=dsv4flash, once verl.workers.rollout.replica is imported
+    install_replay_check()  # routing_replay/* step metrics, once veRL's Megatron engine is imported
     OUTCOMES = register()
 except Exception:  # pragma: no cover - reported, never raised into `import verl`
     logging.getLogger("dsv4flash.verl").warning("dsv4flash veRL plugin failed to apply its patches", exc_info=True)

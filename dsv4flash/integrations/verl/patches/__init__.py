@@ -13,6 +13,9 @@
 | DSV41-VERL-009 | `provider_peft`       | the Megatron engine takes a provider's own PEFT (`provide_peft`) |
 | DSV41-VERL-010 | `fp32_engine`         | the Megatron engine accepts `dtype=float32`                    |
 | DSV41-VERL-011 | `processor_1d_rope`   | `hf_processor` keeps the processor of a 1-D RoPE multimodal model |
+| DSV41-VERL-012 | `mm_model_kwargs`     | Megatron forwards pass every multimodal input the model declares |
+| DSV41-VERL-013 | `r3_rollout_rows`     | the agent loop maps recorded routes onto training rows (processor) |
+| DSV41-VERL-014 | `token_aligned_inputs` | token-aligned multimodal inputs from the trajectory's token ids |
 
 The upstream form of each lives in `patches/verl/` under the same Patch-Id. Importing these modules never
 imports veRL; `install()` does.
