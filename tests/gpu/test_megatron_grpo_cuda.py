@@ -1,0 +1,78 @@
+"""One Megatron actor GRPO update on CUDA at tiny size: CSA2 layers, host-pinned Engram, decoder-half LoRA.
+
+The update is `tests/mbridge/grpo_step.py` (the bridge-built actor, the project's GRPO loss, megatron-core's
+distributed Adam), the same code the CPU test runs (tests/mbridge/test_grpo_step.py). Here it runs on the GPU
+with real CUDA (one NCCL rank, TF32 off, no Transformer Engine: the local backend) and is compared with the
+CPU fp32 run of the same code in a child interpreter with no GPU visible:
+
+- old-policy log-probs (before the step) to 1e-4 absolute: the same fp32 math, GPU kernels sum in another
+  order (~1e-6 relative on logits);
+- the GRPO loss to 1e-4 relative, the gradient norm to 1e-3 relative;
+- log-probs after the step to 2e-3 absolute: Adam divides by sqrt(v), so an adapter entry whose gradient is
+  at rounding level may step by ±lr on either device.
+
+Runs on the device image (Python 3.12, CUDA torch, no vLLM / TE): `bash ci/gpu_checks.sh` (docs/verl.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+import pytest
+import torch
+
+from tests.mbridge import grpo_step as step
+
+pytestmark = [pytest.mark.gpu, pytest.mark.upstream]
+
+
+@contextlib.contextmanager
+def single_gpu_megatron():
+    """Real CUDA: a one-rank NCCL group and megatron-core's model-parallel state, TF32 off."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
+    torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        try:
+            parallel_state.initialize_model_parallel(1, 1)
+            model_parallel_cuda_manual_seed(1234)
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    from dsv4flash_bridge.synthetic import write_release_checkpoint
+
+    return write_release_checkpoint(tmp_path_factory.mktemp("rel") / "release", "tiny", shards=1, seed=7)
+
+
+def test_megatron_actor_grpo_update_on_cuda_matches_cpu(release, tmp_path, tiny_cfg):
+    from dsv4flash import mbridge_cpu_import
+
+    # megatron-bridge 0.6.2 imports Transformer Engine unconditionally and the image has none: the same import
+    # shim as on CPU (every TE class raises if used; the local backend uses none).
+    mbridge_cpu_import.install()
+    torch.manual_seed(1234)
+    with single_gpu_megatron():
+        gpu = step.grpo_step(release, "cuda")
+    cpu = step.cpu_run_in_subprocess(release, tmp_path / "cpu.pt")
+    for res in (gpu, cpu):
+        step.check_update(res, tiny_cfg.decoder_start, tiny_cfg.text.num_hidden_layers)
+    assert gpu.model_device.startswith("cuda") and cpu.model_device == "cpu"
+    assert all(gpu.engram_pinned.values()), gpu.engram_pinned  # page-locked host tables on a CUDA machine
+    assert gpu.trainable == cpu.trainable
+    torch.testing.assert_close(gpu.logp_before, cpu.logp_before, rtol=0, atol=1e-4)
+    assert abs(gpu.loss - cpu.loss) <= 1e-4 * max(1.0, abs(cpu.loss)), (gpu.loss, cpu.loss)
+    assert abs(gpu.grad_norm - cpu.grad_norm) <= 1e-3 * cpu.grad_norm, (gpu.grad_norm, cpu.grad_norm)
+    torch.testing.assert_close(gpu.logp_after, cpu.logp_after, rtol=0, atol=2e-3)
