@@ -16,38 +16,13 @@ Runs on the device image (Python 3.12, CUDA torch, no vLLM / TE): `bash ci/gpu_c
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
-
 import pytest
 import torch
 
 from tests.mbridge import grpo_step as step
+from tests.mcore.single_gpu import single_gpu_megatron
 
 pytestmark = [pytest.mark.gpu, pytest.mark.upstream]
-
-
-@contextlib.contextmanager
-def single_gpu_megatron():
-    """Real CUDA: a one-rank NCCL group and megatron-core's model-parallel state, TF32 off."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
-    torch.cuda.set_device(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
-        try:
-            parallel_state.initialize_model_parallel(1, 1)
-            model_parallel_cuda_manual_seed(1234)
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

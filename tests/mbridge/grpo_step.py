@@ -177,7 +177,7 @@ def cpu_run(release: str | Path) -> GrpoStepResult:
         return grpo_step(release, "cpu")
 
 
-def check_update(res: step.GrpoStepResult, decoder_start: int, layers: int) -> None:
+def check_update(res: GrpoStepResult, decoder_start: int, layers: int) -> None:
     """What any device's update must satisfy: adapters moved, base and Engram tables untouched, finite loss."""
     assert torch.isfinite(torch.tensor(res.loss)) and res.grad_norm > 0
     assert res.trainable and all(".adapter." in n for n in res.trainable)  # the base is frozen
