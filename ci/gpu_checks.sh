@@ -18,7 +18,7 @@ trap 'rm -rf "$site"' EXIT
 wheels="${DSV4FLASH_GPU_WHEELS:-$root/.whl}"
 if compgen -G "$wheels/*.whl" >/dev/null; then
   echo "[gpu] installing $(ls "$wheels"/*.whl | wc -l) wheels from $wheels (offline)"
-  "$py" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
+  "$py" -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-index --no-deps --no-compile --no-cache-dir \
     --target "$site" "$wheels"/*.whl
 fi
 # The project's import names as setup.py maps them, for a checkout that is not pip-installed.
