@@ -109,3 +109,10 @@ def test_cli_exits_2_with_one_line_before_ray_and_leaves_no_run_directory(tmp_pa
     assert "Traceback" not in run.stderr
     assert not out.exists() and list(cwd.iterdir()) == [], list(cwd.rglob("*"))
     assert not list(ray_tmp.glob("ray*")), "a Ray session was started"  # ray.init makes RAY_TMPDIR/ray/session_*
+
+
+def test_flash_layer_20_kv_write_is_frozen():
+    with pytest.raises(RunConfigError, match=r"lora\.include rule 'layers\.20\.attn\.wkv' selects only "
+                                             r"\['layers\.20\.attn\.wkv'\], which lora\.freeze_kv_write=true keeps "
+                                             r"frozen \(layer 20 writes the shared KV\)"):
+        _check("lora.include=[layers.20.attn.wkv]", *FLASH)
