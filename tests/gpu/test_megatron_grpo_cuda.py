@@ -8,8 +8,10 @@ CPU fp32 run of the same code in a child interpreter with no GPU visible:
 - old-policy log-probs (before the step) to 1e-4 absolute: the same fp32 math, GPU kernels sum in another
   order (~1e-6 relative on logits);
 - the GRPO loss to 1e-4 relative, the gradient norm to 1e-3 relative;
-- log-probs after the step to 2e-3 absolute: Adam divides by sqrt(v), so an adapter entry whose gradient is
-  at rounding level may step by ±lr on either device.
+- the step itself: the log-prob change it makes (after − before, on each device) to 10% of the CPU's largest
+  change, and the adapter update's direction (cosine ≥ 0.99): Adam's first step is ±lr for every entry whose
+  gradient is above its eps, so an entry whose gradient is at rounding level may step either way on either
+  device; such entries are few and barely move the log-probs.
 
 Runs on the device image (Python 3.12, CUDA torch, no vLLM / TE): `bash ci/gpu_checks.sh` (docs/verl.md).
 """
@@ -47,7 +49,4 @@ def test_megatron_actor_grpo_update_on_cuda_matches_cpu(release, tmp_path, tiny_
     assert gpu.model_device.startswith("cuda") and cpu.model_device == "cpu"
     assert all(gpu.engram_pinned.values()), gpu.engram_pinned  # page-locked host tables on a CUDA machine
     assert gpu.trainable == cpu.trainable
-    torch.testing.assert_close(gpu.logp_before, cpu.logp_before, rtol=0, atol=1e-4)
-    assert abs(gpu.loss - cpu.loss) <= 1e-4 * max(1.0, abs(cpu.loss)), (gpu.loss, cpu.loss)
-    assert abs(gpu.grad_norm - cpu.grad_norm) <= 1e-3 * cpu.grad_norm, (gpu.grad_norm, cpu.grad_norm)
-    torch.testing.assert_close(gpu.logp_after, cpu.logp_after, rtol=0, atol=2e-3)
+    step.assert_same_update(gpu, cpu)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 GROUPS, GROUP_SIZE, PROMPT, RESPONSE = 2, 2, 16, 8
-LORA_RANK, LR = 8, 1e-3
+LORA_RANK, LR = 8, 1e-2  # lr: the step moves the response log-probs by ~2e-4 (1e-3: ~2e-5)
 REWARDS = (1.0, 0.0, 0.2, 0.9)  # per row, group by group
 SEED = 11
 
@@ -198,6 +198,23 @@ def check_update(res: GrpoStepResult, decoder_start: int, layers: int) -> None:
     scored = res.logp_before[:, PROMPT:]
     assert torch.isfinite(res.logp_before).all() and torch.isfinite(res.logp_after).all()
     assert float((res.logp_after[:, PROMPT:] - scored).abs().max()) > 1e-5  # the update moved the policy
+
+
+def assert_same_update(res: GrpoStepResult, ref: GrpoStepResult) -> None:
+    """`res` (e.g. CUDA) is `ref`'s update (the CPU fp32 run) up to another summation order (tolerances:
+    tests/gpu/test_megatron_grpo_cuda.py)."""
+    assert res.trainable == ref.trainable
+    torch.testing.assert_close(res.logp_before, ref.logp_before, rtol=0, atol=1e-4)
+    assert abs(res.loss - ref.loss) <= 1e-4 * max(1.0, abs(ref.loss)), (res.loss, ref.loss)
+    assert abs(res.grad_norm - ref.grad_norm) <= 1e-3 * ref.grad_norm, (res.grad_norm, ref.grad_norm)
+    change, ref_change = res.logp_after - res.logp_before, ref.logp_after - ref.logp_before
+    scale = float(ref_change.abs().max())
+    assert float((change - ref_change).abs().max()) <= 0.1 * scale, scale
+
+    def update(r: GrpoStepResult) -> torch.Tensor:
+        return torch.cat([(r.adapters_after[n] - r.adapters_before[n]).flatten() for n in r.trainable])
+
+    assert float(torch.nn.functional.cosine_similarity(update(res), update(ref), dim=0)) >= 0.99
 
 
 TESTS_DIR = str(Path(__file__).resolve().parents[1])

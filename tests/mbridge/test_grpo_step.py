@@ -38,3 +38,4 @@ def test_the_cpu_run_the_gpu_test_compares_with_is_this_run(result, release, tmp
     child = step.cpu_run_in_subprocess(release, tmp_path / "cpu.pt")
     assert torch.equal(child.logp_before, result.logp_before) and torch.equal(child.logp_after, result.logp_after)
     assert child.loss == result.loss and child.trainable == result.trainable
+    step.assert_same_update(child, result)  # the GPU test's comparison, on two equal runs
