@@ -36,7 +36,7 @@ class GrpoStepResult:
     grad_norm: float
     adapters_before: dict[str, torch.Tensor]  # by local parameter name
     adapters_after: dict[str, torch.Tensor]
-    base_before: dict[str, torch.Tensor]  # every frozen parameter (a few: see `frozen_sample`)
+    base_before: dict[str, torch.Tensor]  # ~16 frozen parameters spread from the embedding to the head
     base_after: dict[str, torch.Tensor]
     engram_table_before: dict[str, torch.Tensor]  # host Engram tables by layer
     engram_table_after: dict[str, torch.Tensor]
