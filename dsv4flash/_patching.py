@@ -31,6 +31,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from packaging.specifiers import SpecifierSet
@@ -411,7 +412,9 @@ def discover(root_package: str = TWIN_PACKAGE_ROOT) -> Registry:
     """Import every module under `<root_package>.*.patches` so all twins are registered; returns REGISTRY."""
     root = importlib.import_module(root_package)
     for integration in pkgutil.iter_modules(root.__path__):
-        if not integration.ispkg:
+        # Only integrations that have twins: importing another one (e.g. `cookbook`, whose package imports
+        # tinker-cookbook) would make every registration need that integration's third-party stack.
+        if not integration.ispkg or not (Path(integration.module_finder.path) / integration.name / "patches").is_dir():
             continue
         name = f"{root_package}.{integration.name}.patches"
         try:

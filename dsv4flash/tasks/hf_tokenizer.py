@@ -3,8 +3,10 @@
 `save_hf_tokenizer(tok, directory)` writes `tokenizer.json` (a `tokenizers` WordLevel model over the same
 ids), `tokenizer_config.json` and `special_tokens_map.json`, so `AutoTokenizer.from_pretrained(directory)`
 encodes every task text to exactly the ids of `TaskTokenizer.encode` (lower-casing, digits one by one,
-`<image>` as the config's `image_token_id`; an unknown word is an error). The chat template renders a
-conversation as the local engine does a prompt: `bos` + the user text, nothing added for generation.
+`<image>` as the config's `image_token_id`; an unknown word is an error; ids no task text uses decode as
+`<unusedN>`). The chat template renders a conversation as the local engine does a prompt: `bos` + the user
+text, nothing added for generation. The Tinker-protocol server serves the same files
+(`dsv4flash.service.protocol.hf_tokenizer`).
 Decoding joins tokens with spaces (digits too); `canonical_text` maps such text back to the task form.
 """
 
@@ -35,6 +37,10 @@ def build_hf_tokenizer(tok: TaskTokenizer):
     specials = {SPECIAL_NAMES["bos"]: tok.bos_id, SPECIAL_NAMES["eos"]: tok.eos_id,
                 SPECIAL_NAMES["pad"]: tok.pad_id, IMAGE_PLACEHOLDER: tok.image_id}
     vocab.update(specials)
+    # Every id of the model's vocabulary gets a token (a sampler can emit any id; a hole in the WordLevel
+    # vocabulary decodes to nothing); these names never come out of the splitter.
+    used = set(vocab.values())
+    vocab.update({f"<unused{i}>": i for i in range(tok.vocab_size) if i not in used})
     hf = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
     hf.normalizer = normalizers.Lowercase()
     hf.pre_tokenizer = pre_tokenizers.Sequence([

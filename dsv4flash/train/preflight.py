@@ -24,6 +24,7 @@ def check_run(cfg: Any) -> None:
         check_lora(cfg.lora, mcfg)
     if cfg.engine.name == "verl":
         check_parallel_layout(cfg.engine, mcfg)
+        check_context_parallel_data(cfg.engine, cfg.data)
         check_lengths_and_dtype(cfg.engine, cfg.data)
         check_rollout_backend(cfg.engine.rollout)
 
@@ -97,6 +98,24 @@ def check_parallel_layout(eng: Any, mcfg: Any) -> None:
     if eng.rollout_expert_parallel_size > 1 and experts % eng.rollout_expert_parallel_size:
         raise RunConfigError(f"engine.rollout_expert_parallel_size={eng.rollout_expert_parallel_size} must divide "
                              f"the {experts} routed experts; allowed: {ep_ok}")
+
+
+def check_context_parallel_data(eng: Any, data: Any) -> None:
+    """Context parallelism splits every sequence over ranks; the Megatron actor cannot split an image span."""
+    from dsv4flash.tasks import TASKS
+
+    cp = eng.context_parallel_size
+    if cp == 1:
+        return
+    images = sorted(name for name, weight in dict(data.tasks).items()
+                    if weight and name in TASKS and TASKS[name].multimodal)
+    if images:
+        text = sorted(name for name, task in TASKS.items() if not task.multimodal)
+        raise RunConfigError(f"engine.context_parallel_size={cp} with image prompts (data.tasks {images}): a "
+                             "context-parallel rank holds part of each image span, and the Megatron actor embeds "
+                             "images only on whole rows (DSV41MegatronModel.embed_images); allowed: "
+                             f"engine.context_parallel_size=1 with image tasks, or text tasks only {text} "
+                             "(e.g. data=arithmetic)")
 
 
 # float32 through DSV41-VERL-010 (stock veRL 0.9.1's Megatron engine takes bfloat16 | float16 only).

@@ -7,46 +7,21 @@ compared to 1e-4 and gradients to 1e-3 of each tensor's largest entry.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
-
 import pytest
 import torch
 
 from tests.mcore import csa2_support as sup
 from tests.mcore.layout_matrix import LAYOUT
+from tests.mcore.single_gpu import single_gpu_megatron
 from tests.mcore.test_csa2_offload import offload_run, state_bytes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.upstream]
 
 
-@contextlib.contextmanager
-def single_gpu_megatron():
-    """Real CUDA (no redirect): a one-rank NCCL group and megatron-core model-parallel state."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    pytest.importorskip("transformer_engine", reason="Transformer Engine is not installed")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
-    torch.cuda.set_device(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
-        try:
-            parallel_state.initialize_model_parallel(1, 1)
-            model_parallel_cuda_manual_seed(1234)
-            yield
-        finally:
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def gpu():
-    """A single-GPU Megatron session for the module."""
+    """A single-GPU Megatron session for the module (Transformer Engine backend)."""
+    pytest.importorskip("transformer_engine", reason="Transformer Engine is not installed")
     with single_gpu_megatron():
         yield
 

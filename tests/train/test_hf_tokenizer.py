@@ -43,3 +43,31 @@ def test_special_tokens_and_decoding(pair):
     assert canonical_text("purple 12") == "purple 12"  # unknown word: left as it is
     with pytest.raises(Exception):
         hf("a purple square", add_special_tokens=False)  # not in the vocabulary, as TaskTokenizer.encode
+
+
+def test_every_model_id_has_a_token(pair):
+    """A sampler can emit any id of the model's vocabulary: none decodes to nothing."""
+    tok, hf = pair
+    vocab = hf.get_vocab()
+    assert sorted(vocab.values()) == list(range(tok.vocab_size))
+    unused = next(i for i in range(tok.vocab_size) if f"<unused{i}>" in vocab)
+    assert hf.decode([unused]) == f"<unused{unused}>"
+    with pytest.raises(Exception):  # never produced by encoding text: "unused" is no task word
+        hf(f"<unused{unused}>", add_special_tokens=False)
+
+
+def test_the_server_serves_the_same_files(tmp_path):
+    """The Tinker-protocol server's tokenizer directory is this writer's (one implementation), kept up to date."""
+    from dsv4flash.service.protocol.hf_tokenizer import ensure_hf_tokenizer_dir
+
+    tok = TaskTokenizer("tiny")
+    served = ensure_hf_tokenizer_dir(tmp_path / "served", tok)
+    written = save_hf_tokenizer(tok, tmp_path / "written")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (served / name).read_bytes() == (written / name).read_bytes(), name
+    marker = served / "dsv4flash_tokenizer.json"
+    stamp = marker.read_text()
+    assert ensure_hf_tokenizer_dir(served, tok) == served and marker.read_text() == stamp  # fresh: untouched
+    marker.write_text(stamp.replace('"format": 2', '"format": 1'))  # written by an older writer
+    ensure_hf_tokenizer_dir(served, tok)
+    assert marker.read_text() == stamp

@@ -1,5 +1,7 @@
 """Bad input is a one-line error naming the key and the allowed values, before anything is written or started."""
 
+import os
+import re
 import subprocess
 import sys
 
@@ -46,6 +48,9 @@ def test_lora_rule_on_frozen_and_adaptable_modules_is_fine():
     (["engine.expert_model_parallel_size=16", "engine.nnodes=2"], r"allowed: \[1, 2, 4, 8\]"),
     (["engine.context_parallel_size=3"], r"engine\.context_parallel_size=3 must divide the 8 ranks .*allowed: "
                                          r"\[1, 2, 4, 8\]"),
+    (["engine.context_parallel_size=2"],
+     r"engine\.context_parallel_size=2 with image prompts \(data\.tasks \['geometry'\]\): .*allowed: "
+     r"engine\.context_parallel_size=1 with image tasks, or text tasks only \['arithmetic', 'countdown'\]"),
     (["engine.rollout_tensor_parallel_size=16"], r"engine\.rollout_tensor_parallel_size=16 must divide the 8 ranks"),
     (["engine.rollout=sglangg"], r"engine\.rollout='sglangg' is not a rollout backend registered with veRL; "
                                  r"allowed: \[.*'vllm'.*\]"),
@@ -67,19 +72,47 @@ def test_flash_layouts():
         _check("engine.expert_model_parallel_size=64", *FLASH)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("lora.rank=-1", "lora.rank"),
-    ("engine.rollout=bogus", "engine.rollout"),
-    ("engine.expert_model_parallel_size=3", "engine.expert_model_parallel_size"),
-    ("engine.overrides=['data.train_batch_size=3']", "veRL rejected the composed config"),  # veRL's own check
-])
-def test_cli_exits_2_with_one_line_and_leaves_no_run_directory(tmp_path, override, key):
-    out = tmp_path / "run"
+def test_context_parallel_runs_text_tasks():
+    _check("engine.context_parallel_size=2", "data=arithmetic", *VERL)
+    _check("engine.context_parallel_size=2", "data=countdown", *FLASH)
+
+
+# One CLI run per case: the key's name first, the allowed values in the line.
+CLI_CASES = {
+    "lora rank": ("lora.rank=-1", "lora.rank", "must be a positive int"),
+    "rollout backend": ("engine.rollout=bogus", "engine.rollout", r"allowed: \[.*'vllm'"),
+    "EP not dividing the experts": ("engine.expert_model_parallel_size=3", "engine.expert_model_parallel_size",
+                                    r"8 routed experts .*allowed: \[1, 2, 4, 8\]"),
+    "CP splitting image spans": ("engine.context_parallel_size=2", "engine.context_parallel_size",
+                                 r"image prompts .*allowed: engine\.context_parallel_size=1 with image tasks"),
+    "LoRA on the frozen KV write": ("lora.include=[layers.6.attn.wkv]", "lora.include",
+                                    r"keeps frozen .*allowed: .*lora\.freeze_kv_write=false"),
+    "veRL's own validator": ("engine.overrides=['data.train_batch_size=3']", "veRL rejected the composed config",
+                             r"divisible|must be"),
+}
+
+
+@pytest.mark.slow  # 6-25 s per case (the rollout registry check imports veRL)
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_cli_exits_2_with_one_line_before_ray_and_leaves_no_run_directory(tmp_path_factory, case):
+    override, key, allowed = CLI_CASES[case]
+    cwd, ray_tmp = tmp_path_factory.mktemp("cwd"), tmp_path_factory.mktemp("ray")
+    out = cwd / "run"
+    env = dict(os.environ, RAY_TMPDIR=str(ray_tmp), TMPDIR=str(ray_tmp))  # where a Ray session would be made
     run = subprocess.run([sys.executable, "-m", "dsv4flash.train", "+recipe=decoder_lora", "engine=verl", override,
-                          f"output_dir={out}"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          f"output_dir={out}"], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
     assert run.returncode == 2, run.stderr[-3000:]
     lines = run.stderr.strip().splitlines()  # third-party import warnings may come first
     errors = [line for line in lines if line.startswith("error: ")]
     assert errors == [lines[-1]] and errors[0].startswith(f"error: {key}"), run.stderr[-3000:]
+    assert re.search(allowed, errors[0]), errors[0]
     assert "Traceback" not in run.stderr
-    assert not out.exists() and list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+    assert not out.exists() and list(cwd.iterdir()) == [], list(cwd.rglob("*"))
+    assert not list(ray_tmp.glob("ray*")), "a Ray session was started"  # ray.init makes RAY_TMPDIR/ray/session_*
+
+
+def test_flash_layer_20_kv_write_is_frozen():
+    with pytest.raises(RunConfigError, match=r"lora\.include rule 'layers\.20\.attn\.wkv' selects only "
+                                             r"\['layers\.20\.attn\.wkv'\], which lora\.freeze_kv_write=true keeps "
+                                             r"frozen \(layer 20 writes the shared KV\)"):
+        _check("lora.include=[layers.20.attn.wkv]", *FLASH)

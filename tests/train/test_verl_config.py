@@ -241,3 +241,62 @@ def test_image_tasks_read_through_the_image_prompt_dataset():
     sibling = to_train_config(compose("decoder_lora_verl_cpu_geometry", ["model.hf_path=/cluster/base"]))
     assert list(sibling.data.tasks) == ["geometry"] and sibling.engine.overrides == to_train_config(
         compose("decoder_lora_verl_cpu", ["model.hf_path=/cluster/base"])).engine.overrides
+
+
+def _leaves(node, prefix=""):
+    """(dotted key, value) of every leaf of a plain config container."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _leaves(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], node
+
+
+@pytest.mark.slow  # ~40 s: the flavour's meta model for the LoRA placement, veRL's validators, the data export
+def test_cluster_recipe_writes_the_studys_layout_with_no_local_path(tmp_path):
+    """`+recipe=decoder_lora_cluster` through the CLI: the written config is the study's layout, and the only
+    absolute path in it that is not veRL's own default (`/tmp/ray/session_latest/...`, `~/.verl/...`, the
+    same on every node) is the cluster checkpoint the user named; the launch script has none."""
+    from omegaconf import OmegaConf
+
+    from dsv4flash.train.verl_config import compose_verl
+
+    stock = dict(_leaves(OmegaConf.to_container(compose_verl(["model_engine=megatron"]), resolve=False)))
+
+    hf_path = "/cluster/DeepSeek-V4.1-Flash"
+    out = tmp_path / "run"
+    run = _run("dsv4flash.train", "+recipe=decoder_lora_cluster", f"model.hf_path={hf_path}",
+               "data.verl_train_size=16", "data.val_size=8", f"output_dir={out}",
+               f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "not launching veRL (no CUDA GPU is visible" in run.stdout or torch_gpus() > 0
+    written = OmegaConf.load(out / "verl_ppo_trainer.yaml")
+    absolute = [(k, v) for k, v in _leaves(OmegaConf.to_container(written, resolve=False))
+                if isinstance(v, str) and v.startswith(("/", "~")) and stock.get(k) != v]
+    assert absolute == [("actor_rollout_ref.model.path", hf_path)], absolute
+    text = (out / "verl_ppo_trainer.yaml").read_text() + (out / "launch_verl.sh").read_text()
+    assert str(tmp_path) not in text and sys.executable not in text and "/work/" not in text
+    script = (out / "launch_verl.sh").read_text()
+    assert '"${PYTHON:-python}" -m verl.trainer.main_ppo --config-path "$here" --config-name verl_ppo_trainer' in script
+    c = OmegaConf.to_container(written, resolve=True)
+    actor, rollout = c["actor_rollout_ref"]["actor"], c["actor_rollout_ref"]["rollout"]
+    meg = actor["megatron"]
+    assert (c["trainer"]["nnodes"], c["trainer"]["n_gpus_per_node"]) == (4, 8)
+    assert (meg["tensor_model_parallel_size"], meg["pipeline_model_parallel_size"], meg["context_parallel_size"],
+            meg["expert_model_parallel_size"]) == (1, 1, 2, 16)
+    assert meg["dtype"] == rollout["dtype"] == "bfloat16" and meg["optimizer_offload"]
+    recompute = meg["override_transformer_config"]
+    assert (recompute["recompute_granularity"], recompute["recompute_method"]) == ("full", "uniform")
+    assert actor["use_dynamic_bsz"] and actor["ppo_max_token_len_per_gpu"] == rollout["max_model_len"] == 4096
+    assert actor["optim"]["lr"] == 5e-5 and rollout["name"] == "vllm"
+    lora = c["actor_rollout_ref"]["model"]["lora"]
+    assert (lora["rank"], lora["alpha"], lora["merge"]) == (16, 32, False)
+
+
+def torch_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
