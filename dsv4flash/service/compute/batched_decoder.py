@@ -6,10 +6,10 @@ and run the decoder half once: every frozen base op covers all N·B rows, each L
 delta to chunk i only (`dsv4flash.lora.adapter_batch`), routed experts take all chunks' tokens in one base
 matmul and each chunk's delta from its own adapter, and layer `decoder_start`'s compressor (the frozen KV write)
 runs on one chunk and is tiled. Each row goes through the same ops as in its separate pass, but with other
-rows around it: CPU kernels pick vectorised or scalar paths (and GEMM blockings) by the whole tensor's layout,
-so the logits agree with separate passes to fp32 rounding (max |Δ| ~1e-7 on the tiny model), not bit for bit.
-That is why this is opt-in (`multi_adapter_logits(..., exact=False)`); the exact path runs one decoder pass
-per adapter.
+rows around it: CPU kernels pick GEMM kernels by M and leave a tensor's last elements to a scalar path, so
+with every op batched (`invariant=False`, `multi_adapter_logits(..., exact=False)`) the logits agree with
+separate passes to fp32 rounding only (max |Δ| ~1e-7 on the tiny model). `invariant=True` (the default of
+`multi_adapter_logits`) runs exactly those ops per adapter chunk (`batch_invariant.py`) and is bit-equal.
 """
 
 from __future__ import annotations
@@ -85,9 +85,13 @@ def _routed_by_chunk(moe, batch: AdapterBatch, chunk_tokens: int):
 
 
 @torch.no_grad()
-def batched_decoder_logits(model, slots, adapters, encoded, stats: Counter) -> list[torch.Tensor]:
+def batched_decoder_logits(model, slots, adapters, encoded, stats: Counter,
+                           invariant: bool = False) -> list[torch.Tensor]:
     """Decoder half + head for N adapters in one pass: encoded = (streams, pre_mix, state, context) of the
-    shared encoder ([B, …]); adapters: N tensor dicts of `model`'s placement -> N logits [B,S,V] fp32."""
+    shared encoder ([B, …]); adapters: N tensor dicts of `model`'s placement -> N logits [B,S,V] fp32.
+
+    `invariant`: the batch-dependent ops run per adapter chunk (`batch_invariant.py`), so each adapter's
+    logits equal its separate pass bit for bit; otherwise they agree to fp32 rounding."""
     n = len(adapters)
     streams, pre_mix, state, context = encoded
     start = model.cfg.decoder_start
@@ -95,6 +99,10 @@ def batched_decoder_logits(model, slots, adapters, encoded, stats: Counter) -> l
     chunk_tokens = streams.shape[0] * streams.shape[1]
     with ExitStack() as stack:
         stack.enter_context(adapter_batch(batch))
+        if invariant:
+            from dsv4flash.service.compute.batch_invariant import invariant_modules
+
+            stack.enter_context(invariant_modules(model, batch, start))
         compressor = model.layers[start].attn.compressor
         if compressor is not None:
             stack.enter_context(instance_override(compressor, "forward", _source_compressor_once(compressor, n, stats)))

@@ -4,9 +4,10 @@ A decoder-only adapter (layers ≥ `cfg.decoder_start`) whose KV write is frozen
 layer decoder_start's `attn.wkv` and compressor) sees exactly the base's encoder output and the base's
 compressed KV. So for one prompt batch we run `embed_inputs` + `run_layers(0, decoder_start)` once, compute
 the source compressor's latent once, and run only `run_layers(decoder_start, end)` + `logits` per adapter.
-Every op sees the same shapes and values as the separate full forward, so the logits are bit-equal. An
-adapter that is not decoder-only, or whose KV write trains, is refused for sharing (with the reason) and run
-separately.
+Every op sees the same shapes and values as the separate full forward, so the logits are bit-equal. Adapters
+of one placement run those decoder halves as one batched pass whose batch-dependent ops run per adapter chunk
+(`batched_decoder.py`, `batch_invariant.py`), still bit-equal. An adapter that is not decoder-only, or whose
+KV write trains, is refused for sharing (with the reason) and run separately.
 
 With `caches=True` each adapter also gets its prompt's `DecodeCache` for incremental decode: the encoder
 half's window KV and every kv-source segment (the encoder's and the CED source's) are one set of tensors
@@ -55,7 +56,7 @@ class MultiAdapterResult:
     logits: list[torch.Tensor]
     refused: dict[int, str] = field(default_factory=dict)
     shared: list[int] = field(default_factory=list)
-    batched: list[int] = field(default_factory=list)  # exact=False: adapters whose decoder halves ran batched
+    batched: list[int] = field(default_factory=list)  # adapters whose decoder halves ran as one batched pass
     compressor_reuses: int = 0  # adapters that took the source compressor's latent from the shared pass
     caches: list[DecodeCache | None] = field(default_factory=list)  # caches=True: each adapter's prompt cache
 
@@ -152,12 +153,14 @@ def _share_source_segments(caches: list[DecodeCache], layer: int) -> list[Decode
 
 @torch.no_grad()
 def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple], share: bool = True,
-                         exact: bool = True, caches: bool = False) -> MultiAdapterResult:
+                         exact: bool = True, caches: bool = False, batched: bool = True) -> MultiAdapterResult:
     """input_ids [B,S]; adapters: [(placement, tensors)] -> logits per adapter (shared encoder where allowed).
 
-    `exact` (default): one decoder pass per shared adapter, logits bit-equal to separate runs. `exact=False`:
-    shared adapters of one placement run their decoder halves as one batched pass (`batched_decoder.py`),
-    equal to fp32 rounding only. `caches`: also return each adapter's prompt DecodeCache (exact only).
+    Shared adapters of one placement run their decoder halves as one batched pass (`batched_decoder.py`). With
+    `exact` (default) the ops whose rounding depends on the batch run per adapter chunk (`batch_invariant.py`)
+    and the logits are bit-equal to separate runs; `exact=False` batches those too, equal to fp32 rounding
+    only. `batched=False`, or `caches` (also return each adapter's prompt DecodeCache; exact only): one
+    decoder pass per shared adapter, bit-equal as well.
     """
     if caches and not exact:
         raise ValueError("multi_adapter_logits: caches=True needs exact=True (the batched decoder keeps no cache)")
@@ -179,7 +182,7 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
             past = empty_cache(resident.model, input_ids.shape[0], input_ids.device) if caches else None
             enc, enc_step = encoder_half(resident.model, input_ids, past)
         groups: dict[str, list[int]] = {}
-        if not exact:
+        if batched and not caches:
             for i in result.shared:
                 groups.setdefault(placement_key(adapters[i][0]), []).append(i)
         for members in groups.values():
@@ -188,7 +191,7 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
             pc = adapters[members[0]][0]
             with resident.bind(pc, adapters[members[0]][1]) as model:
                 logits = batched_decoder_logits(model, resident.adapter_slots(pc), [adapters[i][1] for i in members],
-                                                enc, stats)
+                                                enc, stats, invariant=exact)
             for i, lg in zip(members, logits):
                 result.logits[i] = lg
             result.batched.extend(members)

@@ -1,0 +1,94 @@
+"""Batch invariance for the batched decoder: the ops whose per-row result depends on the rows around them run
+once per adapter chunk, with the row count of that adapter's separate pass.
+
+Measured on CPU (tests/service/test_shared_encoder.py, probes in docs/service.md): two kinds of op give a row a
+result that depends on the whole tensor.
+
+* GEMMs that fold the batch into M (`F.linear`, `x @ W.t()`, the grouped `wo_a` einsum): MKL picks its kernel
+  and blocking by M, so 8·M rows and M rows round differently (seen for M ≤ ~34 at these widths).
+* Transcendental elementwise ops (`sigmoid`, `silu`, `softplus`, `exp` outside a row-wise softmax): the
+  vectorised loop runs over the whole tensor and leaves the last numel mod 2·vector-width elements to a scalar
+  path with other rounding, so which rows get the scalar path depends on the total size.
+
+Everything else in the decoder half is batch-invariant by construction and stays batched: exact elementwise
+ops (add, mul, div, sqrt, rsqrt = 1/sqrt, clamp, masks, bit tricks), row-wise reductions and softmax over a
+fixed row length, `sort`/`topk` per row, and einsums whose batch dim is the adapter-tiled batch (attention,
+indexer scores, the hyper-connection collapse/expand: one small GEMM per batch element, same sizes).
+
+So under `invariant_modules` each Linear (LoRA wrappers included), the grouped `wo_a`, every mHC coefficient
+site (its `@` and sigmoids), the router gate and each expert run per chunk; a routed expert's chunk is the
+rows it got from that adapter, exactly the rows it gets in that adapter's separate pass.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch import nn
+
+from dsv4flash.lora.adapter_batch import AdapterBatch
+from dsv4flash.model.attention import GroupedOutputProjection
+from dsv4flash.model.hyper_connection import HyperConnectionSite
+from dsv4flash.model.moe import Expert, Gate
+
+
+def _cat(parts: list):
+    """Concatenate per-chunk results along dim 0 (tuples of tensors field by field)."""
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(field, dim=0) for field in zip(*parts))
+    return torch.cat(parts, dim=0)
+
+
+def chunked_forward(module: nn.Module, batch: AdapterBatch, row_args: int):
+    """module.forward run once per adapter chunk of dim 0; the first `row_args` positional args are per row
+    (None passes through), the rest go to every chunk as they are. Within chunk i the batch's segments name
+    only adapter i, so a LoRA wrapper inside adds adapter i's delta to all of the chunk's rows."""
+    forward = type(module).forward
+
+    def run(*args, **kwargs):
+        rows = args[0].shape[0]
+        parts = []
+        for i, (start, end) in enumerate(batch.bounds(rows)):
+            if end == start:
+                continue
+            one = [0] * batch.size
+            one[i] = end - start
+            chunk = [a[start:end] if k < row_args and a is not None else a for k, a in enumerate(args)]
+            with batch.rows(one):
+                parts.append(forward(module, *chunk, **kwargs))
+        return _cat(parts)
+
+    return run
+
+
+def _row_args(module: nn.Module) -> int | None:
+    """How many leading args of `module.forward` are per row, for the module kinds that run per chunk."""
+    if isinstance(module, (Expert, Gate)):
+        return 2  # (x, route_weight) / (x, image_mask)
+    if isinstance(module, (nn.Linear, GroupedOutputProjection, HyperConnectionSite)):
+        return 1
+    return None
+
+
+@contextmanager
+def invariant_modules(model: nn.Module, batch: AdapterBatch, start: int):
+    """Within the block, the batch-dependent modules of layers ≥ `start` and the head run per adapter chunk."""
+    from dsv4flash.service.compute.batched_decoder import instance_override
+
+    roots = [model.layers[i] for i in range(start, len(model.layers))] + [model.head]
+    # Layer `start`'s compressor (the frozen KV write) runs once, on one chunk (`_source_compressor_once`).
+    source = model.layers[start].attn.compressor
+    skip = {id(m) for m in source.modules()} if source is not None else set()
+    with ExitStack() as stack:
+        for root in roots:
+            for module in root.modules():
+                if id(module) in skip:
+                    continue  # the source compressor, or inside an expert (it runs per chunk as a whole)
+                n = _row_args(module)
+                if n is None:
+                    continue
+                if isinstance(module, Expert):
+                    skip.update(id(m) for m in module.modules())
+                stack.enter_context(instance_override(module, "forward", chunked_forward(module, batch, n)))
+        yield
