@@ -47,17 +47,19 @@ def chunked_forward(module: nn.Module, batch: AdapterBatch, row_args: int):
     forward = type(module).forward
 
     def run(*args, **kwargs):
-        rows = args[0].shape[0]
-        parts = []
-        for i, (start, end) in enumerate(batch.bounds(rows)):
-            if end == start:
-                continue
-            one = [0] * batch.size
-            one[i] = end - start
-            chunk = [a[start:end] if k < row_args and a is not None else a for k, a in enumerate(args)]
-            with batch.rows(one):
+        bounds = batch.bounds(args[0].shape[0])
+        saved, parts = batch.segments, []
+        try:
+            for i, (start, end) in enumerate(bounds):
+                if end == start:
+                    continue
+                batch.segments = [0] * batch.size  # what `batch.rows` sets, without a context manager per call
+                batch.segments[i] = end - start
+                chunk = [a[start:end] if k < row_args and a is not None else a for k, a in enumerate(args)]
                 parts.append(forward(module, *chunk, **kwargs))
-        return _cat(parts)
+        finally:
+            batch.segments = saved
+        return parts[0] if len(parts) == 1 else _cat(parts)
 
     return run
 
