@@ -15,9 +15,10 @@ ops (add, mul, div, sqrt, rsqrt = 1/sqrt, clamp, masks, bit tricks), row-wise re
 fixed row length, `sort`/`topk` per row, and einsums whose batch dim is the adapter-tiled batch (attention,
 indexer scores, the hyper-connection collapse/expand: one small GEMM per batch element, same sizes).
 
-So under `invariant_modules` each Linear (LoRA wrappers included), the grouped `wo_a`, every mHC coefficient
-site (its `@` and sigmoids), the router gate and each expert run per chunk; a routed expert's chunk is the
-rows it got from that adapter, exactly the rows it gets in that adapter's separate pass.
+So under `invariant_modules` each Linear (LoRA wrappers included), the grouped `wo_a`, every mHC site's gates
+(its `@` and sigmoids; the Sinkhorn projection after them is row-wise and stays batched), the router's scores
+(GEMM + softplus) and each expert run per chunk; a routed expert's chunk is the rows it got from that
+adapter, exactly the rows it gets in that adapter's separate pass.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ def _cat(parts: list):
     return torch.cat(parts, dim=0)
 
 
-def chunked_forward(module: nn.Module, batch: AdapterBatch, row_args: int):
-    """module.forward run once per adapter chunk of dim 0; the first `row_args` positional args are per row
+def chunked(module: nn.Module, method: str, batch: AdapterBatch, row_args: int):
+    """module.<method> run once per adapter chunk of dim 0; the first `row_args` positional args are per row
     (None passes through), the rest go to every chunk as they are. Within chunk i the batch's segments name
     only adapter i, so a LoRA wrapper inside adds adapter i's delta to all of the chunk's rows."""
-    forward = type(module).forward
+    function = getattr(type(module), method)
 
     def run(*args, **kwargs):
         bounds = batch.bounds(args[0].shape[0])
@@ -56,7 +57,7 @@ def chunked_forward(module: nn.Module, batch: AdapterBatch, row_args: int):
                 batch.segments = [0] * batch.size  # what `batch.rows` sets, without a context manager per call
                 batch.segments[i] = end - start
                 chunk = [a[start:end] if k < row_args and a is not None else a for k, a in enumerate(args)]
-                parts.append(forward(module, *chunk, **kwargs))
+                parts.append(function(module, *chunk, **kwargs))
         finally:
             batch.segments = saved
         return parts[0] if len(parts) == 1 else _cat(parts)
@@ -64,12 +65,16 @@ def chunked_forward(module: nn.Module, batch: AdapterBatch, row_args: int):
     return run
 
 
-def _row_args(module: nn.Module) -> int | None:
-    """How many leading args of `module.forward` are per row, for the module kinds that run per chunk."""
-    if isinstance(module, (Expert, Gate)):
-        return 2  # (x, route_weight) / (x, image_mask)
-    if isinstance(module, (nn.Linear, GroupedOutputProjection, HyperConnectionSite)):
-        return 1
+def _per_chunk(module: nn.Module) -> tuple[str, int] | None:
+    """(method, leading per-row args) of the batch-dependent part of `module`, for the kinds that have one."""
+    if isinstance(module, Expert):
+        return "forward", 2  # (x, route_weight): its GEMMs and silu
+    if isinstance(module, HyperConnectionSite):
+        return "gates", 1  # its GEMM and sigmoids; the Sinkhorn projection is row-wise and stays batched
+    if isinstance(module, Gate):
+        return "scores", 1  # GEMM + softplus; top-k and the weight normalisation are per row
+    if isinstance(module, (nn.Linear, GroupedOutputProjection)):
+        return "forward", 1
     return None
 
 
@@ -87,10 +92,11 @@ def invariant_modules(model: nn.Module, batch: AdapterBatch, start: int):
             for module in root.modules():
                 if id(module) in skip:
                     continue  # the source compressor, or inside an expert (it runs per chunk as a whole)
-                n = _row_args(module)
-                if n is None:
+                part = _per_chunk(module)
+                if part is None:
                     continue
                 if isinstance(module, Expert):
                     skip.update(id(m) for m in module.modules())
-                stack.enter_context(instance_override(module, "forward", chunked_forward(module, batch, n)))
+                method, row_args = part
+                stack.enter_context(instance_override(module, method, chunked(module, method, batch, row_args)))
         yield
