@@ -185,12 +185,17 @@ def test_multi_adapter_decode_shares_the_encoder_step_bit_equal(resident):
     steps = [torch.tensor([7 + s, 30 + s]) for s in range(9)] + [torch.tensor([[5, 6], [8, 9]])]
     for s, tokens in enumerate(steps):
         ids = [tokens, tokens, tokens + (s >= 4), tokens]
-        step = multi_adapter_decode(resident, shared, ids, adapters)
+        step = multi_adapter_decode(resident, shared, ids, adapters, batched=s % 2 == 0)
         assert step.encoder_passes == (1 if s < 4 else 2) and list(step.refused) == [3]
+        # even steps: the decoder halves of one encoder group run as one bit-exact batch (from their own caches)
+        assert step.batched == ([] if s % 2 else [0, 1, 2] if s < 4 else [0, 1])
         for i, (pc, tensors) in enumerate(adapters):
             with resident.bind(pc, tensors) as model, torch.no_grad():
                 want, own[i] = model.decode(own[i], ids[i])
             assert torch.equal(step.logits[i], want), (s, i)
+            a, b = step.caches[i], own[i]
+            assert a.length == b.length and all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors())), (s, i)
+        assert step.caches[0].sources[start].prompt_kv is step.caches[1].sources[start].prompt_kv  # still shared
         shared = step.caches
         for layer in range(start):  # adapters 0 and 1 keep one set of encoder records; 2 has its own after step 4
             assert shared[0].window[layer] is shared[1].window[layer]

@@ -14,6 +14,7 @@ separate passes to fp32 rounding only (max |Δ| ~1e-7 on the tiny model). `invar
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 
@@ -85,13 +86,15 @@ def _routed_by_chunk(moe, batch: AdapterBatch, chunk_tokens: int):
 
 
 @torch.no_grad()
-def batched_decoder_logits(model, slots, adapters, encoded, stats: Counter,
-                           invariant: bool = False) -> list[torch.Tensor]:
+def batched_decoder_logits(model, slots, adapters, encoded, stats: Counter, invariant: bool = False,
+                           steps: list | None = None) -> list[torch.Tensor]:
     """Decoder half + head for N adapters in one pass: encoded = (streams, pre_mix, state, context) of the
     shared encoder ([B, …]); adapters: N tensor dicts of `model`'s placement -> N logits [B,S,V] fp32.
 
     `invariant`: the batch-dependent ops run per adapter chunk (`batch_invariant.py`), so each adapter's
-    logits equal its separate pass bit for bit; otherwise they agree to fp32 rounding."""
+    logits equal its separate pass bit for bit; otherwise they agree to fp32 rounding. `steps` (incremental
+    decode): each adapter's `CacheStep` over its own past; the decoder layers read the N pasts as one batch
+    and each step receives its own rows of what they record (`batched_cache.py`)."""
     n = len(adapters)
     streams, pre_mix, state, context = encoded
     start = model.cfg.decoder_start
@@ -108,7 +111,17 @@ def batched_decoder_logits(model, slots, adapters, encoded, stats: Counter,
             stack.enter_context(instance_override(compressor, "forward", _source_compressor_once(compressor, n, stats)))
         for block in model.layers[start:]:
             stack.enter_context(instance_override(block.ffn, "forward", _routed_by_chunk(block.ffn, batch, chunk_tokens)))
+        tiled_context, batched_step = tile_context(context, n), None
+        if steps is not None:
+            from dsv4flash.service.compute.batched_cache import tiled_step
+
+            batched_step = tiled_step(steps, start)
+            tiled_context = dataclasses.replace(tiled_context, cache=batched_step)
         out_streams, out_mix, _ = model.run_layers(tile(streams, n), tile(pre_mix, n), tile_state(state, n),
-                                                   tile_context(context, n), start, None)
+                                                   tiled_context, start, None)
         logits = model.logits(out_streams, out_mix)  # [n·B, S, V]
+    if batched_step is not None:
+        from dsv4flash.service.compute.batched_cache import split_records
+
+        split_records(batched_step, steps)
     return list(logits.chunk(n, dim=0))

@@ -224,18 +224,19 @@ def _encoder_key(cache: DecodeCache, start: int) -> tuple:
 
 @dataclass
 class MultiAdapterStep:
-    """One decode step of N adapters: logits per adapter ([B,V] or [B,n,V] fp32), the extended caches, and how
-    many encoder-half passes ran (1 when every adapter shared one)."""
+    """One decode step of N adapters: logits per adapter ([B,V] or [B,n,V] fp32), the extended caches, how
+    many encoder-half passes ran (1 when every adapter shared one), and which decoder halves ran batched."""
 
     logits: list[torch.Tensor]
     caches: list[DecodeCache]
     encoder_passes: int = 0
     refused: dict[int, str] = field(default_factory=dict)
+    batched: list[int] = field(default_factory=list)  # adapters whose decoder halves ran as one batched pass
 
 
 @torch.no_grad()
 def multi_adapter_decode(resident, caches: list[DecodeCache], next_ids: torch.Tensor | list[torch.Tensor],
-                         adapters: list[tuple]) -> MultiAdapterStep:
+                         adapters: list[tuple], batched: bool = True) -> MultiAdapterStep:
     """Decode one token (next_ids [B]) or chunk ([B,n]) for N adapters, each from its own cache; bit-equal to
     each adapter's own `model.decode(cache, next_ids)`.
 
@@ -246,6 +247,8 @@ def multi_adapter_decode(resident, caches: list[DecodeCache], next_ids: torch.Te
     half from its own decoder-layer cache. The shared encoder records stay one set of tensors in the new
     caches, so sharing continues for as long as the continuations agree; an adapter whose ids diverge is
     grouped on its own (still one encoder pass per distinct continuation). Other adapters decode alone.
+    Members of one placement run their decoder halves as one bit-exact batched pass (`batched=False`: one
+    pass each), each from its own cache.
     """
     if len(caches) != len(adapters):
         raise ValueError(f"multi_adapter_decode: {len(caches)} caches for {len(adapters)} adapters")
@@ -278,12 +281,26 @@ def multi_adapter_decode(resident, caches: list[DecodeCache], next_ids: torch.Te
             enc, enc_step = encoder_half(resident.model, chunk, caches[leader])
             out.encoder_passes += 1
             types = torch.full_like(chunk, -1)
+            steps = {i: CacheStep(caches[i], dict(enc_step.window), dict(enc_step.sources)) for i in members}
+            placements: dict[str, list[int]] = {}  # own decoder past each; same placement: one batched pass
             for i in members:
-                pc, tensors = adapters[i]
-                step = CacheStep(caches[i], dict(enc_step.window), dict(enc_step.sources))  # own decoder past
+                placements.setdefault(placement_key(adapters[i][0]) if batched else str(i), []).append(i)
+            for same in placements.values():
+                if len(same) > 1:
+                    pc = adapters[same[0]][0]
+                    with resident.bind(pc, adapters[same[0]][1]) as model:
+                        logits = batched_decoder_logits(model, resident.adapter_slots(pc),
+                                                        [adapters[i][1] for i in same], enc, stats, invariant=True,
+                                                        steps=[steps[i] for i in same])
+                    for i, lg in zip(same, logits):
+                        out.logits[i] = lg
+                    out.batched.extend(same)
+                    continue
+                pc, tensors = adapters[same[0]]
                 with resident.bind(pc, tensors) as model:
-                    out.logits[i] = decoder_half(model, enc, step, memo, stats)
-                out.caches[i] = step.finish(chunk, types)
+                    out.logits[same[0]] = decoder_half(model, enc, steps[same[0]], memo, stats)
+            for i in members:
+                out.caches[i] = steps[i].finish(chunk, types)
             if len(members) > 1 and start in resident.cfg.text.kv_source_layer_ids:
                 for i, cache in zip(members, _share_source_segments([out.caches[i] for i in members], start)):
                     out.caches[i] = cache
