@@ -18,6 +18,7 @@ def test_service_bench_sampling_part_quick(one_thread, tmp_path):
     report = service.run(args)
     figures = report.as_dict()
     for key in ("sampling_recompute_N8", "sampling_separate_N8", "sampling_shared_prefill_N8", "sampling_shared_N8",
+                "sampling_shared_per_adapter_N8",
                 "sampling_encoder_step_ms", "sampling_decoder_step_ms", "sampling_amdahl_bound_N8"):
         assert figures[key] > 0, key
     assert len(report.targets) == 1 and "same continuation" in report.targets[0]
