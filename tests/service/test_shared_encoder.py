@@ -147,7 +147,9 @@ def test_shared_prefill_caches_share_encoder_kv_and_decode_bit_equal(resident):
     ids = torch.randint(3, 400, (1, 21), generator=torch.Generator().manual_seed(1))
     shared = multi_adapter_logits(resident, ids, adapters, caches=True)
     separate = multi_adapter_logits(resident, ids, adapters, share=False, caches=True)
-    assert shared.shared == [0, 1, 2]
+    assert shared.shared == [0, 1, 2] and shared.batched == [0, 1, 2]  # one batched decoder pass records 3 caches
+    for a, b in zip(shared.caches, separate.caches):
+        assert a.length == b.length and all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors()))
     start = resident.cfg.decoder_start
     c0, c1, c2 = shared.caches[:3]
     for layer in range(len(c0.window)):  # the encoder half's window KV is one tensor; decoder layers' are each own

@@ -23,6 +23,8 @@ import torch
 from dsv4flash.lora.adapter_batch import AdapterBatch, adapter_batch
 from dsv4flash.model.block import TokenContext
 from dsv4flash.model.state import CSA2State
+from dsv4flash.service.compute.batch_invariant import invariant_modules
+from dsv4flash.service.compute.batched_cache import split_records, tiled_step
 
 
 def tile(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -103,8 +105,6 @@ def batched_decoder_logits(model, slots, adapters, encoded, stats: Counter, inva
     with ExitStack() as stack:
         stack.enter_context(adapter_batch(batch))
         if invariant:
-            from dsv4flash.service.compute.batch_invariant import invariant_modules
-
             stack.enter_context(invariant_modules(model, batch, start))
         compressor = model.layers[start].attn.compressor
         if compressor is not None:
@@ -113,15 +113,11 @@ def batched_decoder_logits(model, slots, adapters, encoded, stats: Counter, inva
             stack.enter_context(instance_override(block.ffn, "forward", _routed_by_chunk(block.ffn, batch, chunk_tokens)))
         tiled_context, batched_step = tile_context(context, n), None
         if steps is not None:
-            from dsv4flash.service.compute.batched_cache import tiled_step
-
             batched_step = tiled_step(steps, start)
             tiled_context = dataclasses.replace(tiled_context, cache=batched_step)
         out_streams, out_mix, _ = model.run_layers(tile(streams, n), tile(pre_mix, n), tile_state(state, n),
                                                    tiled_context, start, None)
         logits = model.logits(out_streams, out_mix)  # [n·B, S, V]
     if batched_step is not None:
-        from dsv4flash.service.compute.batched_cache import split_records
-
         split_records(batched_step, steps)
     return list(logits.chunk(n, dim=0))

@@ -159,11 +159,12 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
     Shared adapters of one placement run their decoder halves as one batched pass (`batched_decoder.py`). With
     `exact` (default) the ops whose rounding depends on the batch run per adapter chunk (`batch_invariant.py`)
     and the logits are bit-equal to separate runs; `exact=False` batches those too, equal to fp32 rounding
-    only. `batched=False`, or `caches` (also return each adapter's prompt DecodeCache; exact only): one
-    decoder pass per shared adapter, bit-equal as well.
+    only. `batched=False`: one decoder pass per shared adapter, bit-equal as well. `caches`: also return each
+    adapter's prompt DecodeCache (exact only).
     """
     if caches and not exact:
-        raise ValueError("multi_adapter_logits: caches=True needs exact=True (the batched decoder keeps no cache)")
+        raise ValueError("multi_adapter_logits: caches=True needs exact=True (a cache must equal the adapter's own "
+                         "prefill bit for bit)")
     result = MultiAdapterResult([None] * len(adapters), caches=[None] * len(adapters))
     start = resident.cfg.decoder_start
     with resident.lock:
@@ -182,18 +183,21 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
             past = empty_cache(resident.model, input_ids.shape[0], input_ids.device) if caches else None
             enc, enc_step = encoder_half(resident.model, input_ids, past)
         groups: dict[str, list[int]] = {}
-        if batched and not caches:
+        if batched:
             for i in result.shared:
                 groups.setdefault(placement_key(adapters[i][0]), []).append(i)
         for members in groups.values():
             if len(members) < 2:
                 continue
             pc = adapters[members[0]][0]
+            steps = [enc_step.fork() for _ in members] if enc_step is not None else None  # each its own records
             with resident.bind(pc, adapters[members[0]][1]) as model:
                 logits = batched_decoder_logits(model, resident.adapter_slots(pc), [adapters[i][1] for i in members],
-                                                enc, stats, invariant=exact)
-            for i, lg in zip(members, logits):
+                                                enc, stats, invariant=exact, steps=steps)
+            for k, (i, lg) in enumerate(zip(members, logits)):
                 result.logits[i] = lg
+                if steps is not None:
+                    result.caches[i] = steps[k].finish(input_ids, torch.full_like(input_ids, -1))
             result.batched.extend(members)
         for i, (pc, tensors) in enumerate(adapters):
             if result.logits[i] is not None:
