@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from dsv4flash.model.cache import CacheStep, DecodeCache, SourceSegment
+from dsv4flash.model.cache import CacheStep, SourceSegment
 
 
 def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
