@@ -26,6 +26,7 @@ rounds, caches flushed before each call), so a load change on a shared machine h
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from pathlib import Path
 
@@ -66,14 +67,19 @@ def _best_interleaved(fns: dict, repeats: int, device: torch.device) -> dict[str
 
     Before every timed call the CPU caches are flushed (a 64 MiB write), so each call reads its rows from
     DRAM as a new micro-batch out of a ~100 GB table does, rather than finding them left in L3 by the
-    previous variant over the same ids."""
+    previous variant over the same ids. Each round runs the fns in a fresh (seeded) order: a call's time
+    depends on which call ran before it (measured: the same `gather_stored` took 6.8 ms right after `memcpy`
+    and 2.3 ms elsewhere in one fixed-order run), so a fixed order would favour some variants every round."""
     best = dict.fromkeys(fns, float("inf"))
     scratch = torch.empty(_EVICT, dtype=torch.uint8)
     for fn in fns.values():
         fn()  # warm-up: staging buffers, allocator, page faults
     _sync(device)
+    order, rng = list(fns), random.Random(0)
     for _ in range(repeats):
-        for name, fn in fns.items():
+        rng.shuffle(order)
+        for name in order:
+            fn = fns[name]
             scratch.fill_(1)
             start = time.perf_counter()
             fn()

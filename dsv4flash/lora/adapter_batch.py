@@ -8,9 +8,10 @@ code: a wrapper asks `active_batch()` and, when a batch is set, hands its rows t
 Row chunks are equal splits of dim 0 (`[N·B, S, …]` and its flattened `[N·B·S, …]` both split that way),
 except where a caller sets explicit `segments` (routed experts: the rows an expert got from each chunk).
 
-Not bit-exact: a row's result can depend on the batch around it on CPU (vectorised vs scalar paths of
-transcendental elementwise ops, e.g. `sigmoid` on strided views; GEMM kernel choice), so a batched pass agrees
-with separate passes to fp32 rounding, not bit for bit (measured in tests/service/test_shared_encoder.py).
+Not bit-exact by itself: a row's result can depend on the batch around it on CPU (GEMM kernel choice by M,
+the scalar tail of vectorised transcendental elementwise ops), so a batched pass agrees with separate passes
+to fp32 rounding. `dsv4flash.service.compute.batch_invariant` runs those ops once per chunk (`rows` naming one
+adapter) and makes the batched decoder bit-equal (tests/service/test_shared_encoder.py).
 """
 
 from __future__ import annotations

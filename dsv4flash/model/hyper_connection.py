@@ -49,6 +49,11 @@ class HyperConnectionSite(nn.Module):
 
     def forward(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
         """x: [B,S,hc,D] -> (pre [B,S,hc], post [B,S,hc], comb [B,S,hc,hc] as [in, out])."""
+        pre, post, comb_logits = self.gates(x, fn, base, scale)
+        return pre, post, sinkhorn(comb_logits, self.iters, self.hc_eps)
+
+    def gates(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
+        """x: [B,S,hc,D] -> (pre [B,S,hc], post [B,S,hc], comb logits [B,S,hc,hc]) before the Sinkhorn projection."""
         hc = self.hc
         flat = x.float().flatten(2)  # [B,S,hc·D]
         mix = (flat @ fn.float().t()) * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + self.norm_eps)
@@ -56,4 +61,4 @@ class HyperConnectionSite(nn.Module):
         pre = torch.sigmoid(mix[..., :hc] * scale[0] + base[:hc]) + self.hc_eps
         post = 2 * torch.sigmoid(mix[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
         comb_logits = (mix[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
-        return pre, post, sinkhorn(comb_logits, self.iters, self.hc_eps)
+        return pre, post, comb_logits

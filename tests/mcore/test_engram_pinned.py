@@ -158,6 +158,17 @@ def test_fp8_table_dequantizes_on_the_device_side(tiny_cfg):
         assert got.data_ptr() == out_rows.data_ptr() and torch.equal(out_rows, manual[rows])
     with pytest.raises(ValueError, match=r"out must be a contiguous torch.uint8 \[.*\] tensor on cpu, got torch.int64"):
         fp8.table.gather_stored(rows, out=(out_values, torch.zeros(*rows.shape, scale.shape[1], dtype=torch.long)))
+    # int32 ids go to index_select as they are (no int64 copy); the same bits, and a bad id is still named
+    # (the host gather's own bounds check, no separate range pass, including negative ids).
+    i32 = rows.to(torch.int32)
+    got_values, got_scale = fp8.table.gather_stored(i32, out=(out_values, out_scale))
+    assert torch.equal(got_values.view(torch.uint8), values[rows].view(torch.uint8)) and torch.equal(got_scale, scale[rows])
+    assert torch.equal(fp8.table.gather(i32, torch.float32, dedup=False), manual[rows])
+    n = fp8.table.rows
+    for bad in (torch.tensor([[0, n]]), torch.tensor([[-1, 3]], dtype=torch.int32)):
+        for dedup in (False, True):
+            with pytest.raises(ValueError, match=rf"row ids must lie in \[0, {n}\), got range \[{int(bad.min())}, "):
+                fp8.table.gather_stored(bad, dedup=dedup)
 
 
 def test_megatron_constructor_and_spec_slot(tiny_cfg):

@@ -41,21 +41,38 @@ def _decoder_placements():
 
 
 def test_batched_decoders_match_separate_runs_to_rounding(resident):
-    """exact=False: same-placement adapters share one batched decoder pass; logits equal separate runs to fp32
-    rounding (not bit for bit: CPU kernels pick vector/scalar paths by the whole batch's layout)."""
+    """exact=False: same-placement adapters share one fully batched decoder pass; logits equal separate runs to
+    fp32 rounding (not bit for bit: GEMM kernels by M, scalar tails of transcendental ops)."""
     placements = _decoder_placements()
     adapters = [(pc, _adapter(resident, pc, 10 * j + k)) for j, pc in enumerate(placements) for k in range(3)]
     adapters.append((placements[1], _adapter(resident, placements[1], 99)))
     ids = torch.randint(3, 400, (2, 24), generator=torch.Generator().manual_seed(1))
     batched = multi_adapter_logits(resident, ids, adapters, exact=False)
     separate = multi_adapter_logits(resident, ids, adapters, share=False)
-    exact = multi_adapter_logits(resident, ids, adapters)
-    assert sorted(batched.batched) == list(range(len(adapters))) and exact.batched == []
+    per_adapter = multi_adapter_logits(resident, ids, adapters, batched=False)
+    assert sorted(batched.batched) == list(range(len(adapters))) and per_adapter.batched == []
     assert batched.compressor_reuses == 2 + 3 + 2 + 2  # each placement's batch compresses the source KV once
-    for i, (a, b, c) in enumerate(zip(batched.logits, separate.logits, exact.logits)):
+    for i, (a, b, c) in enumerate(zip(batched.logits, separate.logits, per_adapter.logits)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=f"adapter {i} ({adapters[i][0].preset})")
         assert torch.equal(c, b)
     assert len({tuple(x.flatten()[:8].tolist()) for x in batched.logits}) == len(adapters)  # all different
+
+
+@pytest.mark.parametrize("n, batch, seq", [(2, 1, 1), (8, 1, 3), (4, 1, 5), (3, 2, 17), (8, 2, 24), (2, 3, 40)])
+def test_batched_exact_decoders_bit_equal_to_separate_runs(resident, n, batch, seq):
+    """The default batched decoder (batch-dependent ops per adapter chunk) is bit-equal to separate runs, for
+    every decoder placement (router LoRA, shared-A wo_a, shared-outer experts), 1-row chunks (where the
+    GEMM kernel differs from a larger M), odd lengths that end inside a ratio-2 compression group, and more
+    routed experts than tokens."""
+    placements = _decoder_placements()
+    adapters = [(pc, _adapter(resident, pc, 100 * j + k)) for j, pc in enumerate(placements) for k in range(n)]
+    ids = torch.randint(3, 400, (batch, seq), generator=torch.Generator().manual_seed(seq))
+    exact = multi_adapter_logits(resident, ids, adapters)
+    separate = multi_adapter_logits(resident, ids, adapters, share=False)
+    assert sorted(exact.batched) == list(range(len(adapters)))
+    for i, (a, b) in enumerate(zip(exact.logits, separate.logits)):
+        assert torch.equal(a, b), f"adapter {i} ({adapters[i][0].preset}, placement {i // n})"
+    assert len({tuple(x.flatten()[:8].tolist()) for x in exact.logits}) == len(adapters)  # all different
 
 
 def test_batched_routed_experts_split_rows_by_chunk(resident):
@@ -130,7 +147,9 @@ def test_shared_prefill_caches_share_encoder_kv_and_decode_bit_equal(resident):
     ids = torch.randint(3, 400, (1, 21), generator=torch.Generator().manual_seed(1))
     shared = multi_adapter_logits(resident, ids, adapters, caches=True)
     separate = multi_adapter_logits(resident, ids, adapters, share=False, caches=True)
-    assert shared.shared == [0, 1, 2]
+    assert shared.shared == [0, 1, 2] and shared.batched == [0, 1, 2]  # one batched decoder pass records 3 caches
+    for a, b in zip(shared.caches, separate.caches):
+        assert a.length == b.length and all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors()))
     start = resident.cfg.decoder_start
     c0, c1, c2 = shared.caches[:3]
     for layer in range(len(c0.window)):  # the encoder half's window KV is one tensor; decoder layers' are each own
@@ -168,12 +187,17 @@ def test_multi_adapter_decode_shares_the_encoder_step_bit_equal(resident):
     steps = [torch.tensor([7 + s, 30 + s]) for s in range(9)] + [torch.tensor([[5, 6], [8, 9]])]
     for s, tokens in enumerate(steps):
         ids = [tokens, tokens, tokens + (s >= 4), tokens]
-        step = multi_adapter_decode(resident, shared, ids, adapters)
+        step = multi_adapter_decode(resident, shared, ids, adapters, batched=s % 2 == 0)
         assert step.encoder_passes == (1 if s < 4 else 2) and list(step.refused) == [3]
+        # even steps: the decoder halves of one encoder group run as one bit-exact batch (from their own caches)
+        assert step.batched == ([] if s % 2 else [0, 1, 2] if s < 4 else [0, 1])
         for i, (pc, tensors) in enumerate(adapters):
             with resident.bind(pc, tensors) as model, torch.no_grad():
                 want, own[i] = model.decode(own[i], ids[i])
             assert torch.equal(step.logits[i], want), (s, i)
+            a, b = step.caches[i], own[i]
+            assert a.length == b.length and all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors())), (s, i)
+        assert step.caches[0].sources[start].prompt_kv is step.caches[1].sources[start].prompt_kv  # still shared
         shared = step.caches
         for layer in range(start):  # adapters 0 and 1 keep one set of encoder records; 2 has its own after step 4
             assert shared[0].window[layer] is shared[1].window[layer]

@@ -6,14 +6,15 @@ and run the decoder half once: every frozen base op covers all N·B rows, each L
 delta to chunk i only (`dsv4flash.lora.adapter_batch`), routed experts take all chunks' tokens in one base
 matmul and each chunk's delta from its own adapter, and layer `decoder_start`'s compressor (the frozen KV write)
 runs on one chunk and is tiled. Each row goes through the same ops as in its separate pass, but with other
-rows around it: CPU kernels pick vectorised or scalar paths (and GEMM blockings) by the whole tensor's layout,
-so the logits agree with separate passes to fp32 rounding (max |Δ| ~1e-7 on the tiny model), not bit for bit.
-That is why this is opt-in (`multi_adapter_logits(..., exact=False)`); the exact path runs one decoder pass
-per adapter.
+rows around it: CPU kernels pick GEMM kernels by M and leave a tensor's last elements to a scalar path, so
+with every op batched (`invariant=False`, `multi_adapter_logits(..., exact=False)`) the logits agree with
+separate passes to fp32 rounding only (max |Δ| ~1e-7 on the tiny model). `invariant=True` (the default of
+`multi_adapter_logits`) runs exactly those ops per adapter chunk (`batch_invariant.py`) and is bit-equal.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from contextlib import ExitStack, contextmanager
 
@@ -22,6 +23,8 @@ import torch
 from dsv4flash.lora.adapter_batch import AdapterBatch, adapter_batch
 from dsv4flash.model.block import TokenContext
 from dsv4flash.model.state import CSA2State
+from dsv4flash.service.compute.batch_invariant import invariant_modules
+from dsv4flash.service.compute.batched_cache import split_records, tiled_step
 
 
 def tile(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -85,9 +88,15 @@ def _routed_by_chunk(moe, batch: AdapterBatch, chunk_tokens: int):
 
 
 @torch.no_grad()
-def batched_decoder_logits(model, slots, adapters, encoded, stats: Counter) -> list[torch.Tensor]:
+def batched_decoder_logits(model, slots, adapters, encoded, stats: Counter, invariant: bool = False,
+                           steps: list | None = None) -> list[torch.Tensor]:
     """Decoder half + head for N adapters in one pass: encoded = (streams, pre_mix, state, context) of the
-    shared encoder ([B, …]); adapters: N tensor dicts of `model`'s placement -> N logits [B,S,V] fp32."""
+    shared encoder ([B, …]); adapters: N tensor dicts of `model`'s placement -> N logits [B,S,V] fp32.
+
+    `invariant`: the batch-dependent ops run per adapter chunk (`batch_invariant.py`), so each adapter's
+    logits equal its separate pass bit for bit; otherwise they agree to fp32 rounding. `steps` (incremental
+    decode): each adapter's `CacheStep` over its own past; the decoder layers read the N pasts as one batch
+    and each step receives its own rows of what they record (`batched_cache.py`)."""
     n = len(adapters)
     streams, pre_mix, state, context = encoded
     start = model.cfg.decoder_start
@@ -95,12 +104,20 @@ def batched_decoder_logits(model, slots, adapters, encoded, stats: Counter) -> l
     chunk_tokens = streams.shape[0] * streams.shape[1]
     with ExitStack() as stack:
         stack.enter_context(adapter_batch(batch))
+        if invariant:
+            stack.enter_context(invariant_modules(model, batch, start))
         compressor = model.layers[start].attn.compressor
         if compressor is not None:
             stack.enter_context(instance_override(compressor, "forward", _source_compressor_once(compressor, n, stats)))
         for block in model.layers[start:]:
             stack.enter_context(instance_override(block.ffn, "forward", _routed_by_chunk(block.ffn, batch, chunk_tokens)))
+        tiled_context, batched_step = tile_context(context, n), None
+        if steps is not None:
+            batched_step = tiled_step(steps, start)
+            tiled_context = dataclasses.replace(tiled_context, cache=batched_step)
         out_streams, out_mix, _ = model.run_layers(tile(streams, n), tile(pre_mix, n), tile_state(state, n),
-                                                   tile_context(context, n), start, None)
+                                                   tiled_context, start, None)
         logits = model.logits(out_streams, out_mix)  # [n·B, S, V]
+    if batched_step is not None:
+        split_records(batched_step, steps)
     return list(logits.chunk(n, dim=0))

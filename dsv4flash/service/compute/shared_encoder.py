@@ -4,9 +4,10 @@ A decoder-only adapter (layers ≥ `cfg.decoder_start`) whose KV write is frozen
 layer decoder_start's `attn.wkv` and compressor) sees exactly the base's encoder output and the base's
 compressed KV. So for one prompt batch we run `embed_inputs` + `run_layers(0, decoder_start)` once, compute
 the source compressor's latent once, and run only `run_layers(decoder_start, end)` + `logits` per adapter.
-Every op sees the same shapes and values as the separate full forward, so the logits are bit-equal. An
-adapter that is not decoder-only, or whose KV write trains, is refused for sharing (with the reason) and run
-separately.
+Every op sees the same shapes and values as the separate full forward, so the logits are bit-equal. Adapters
+of one placement run those decoder halves as one batched pass whose batch-dependent ops run per adapter chunk
+(`batched_decoder.py`, `batch_invariant.py`), still bit-equal. An adapter that is not decoder-only, or whose
+KV write trains, is refused for sharing (with the reason) and run separately.
 
 With `caches=True` each adapter also gets its prompt's `DecodeCache` for incremental decode: the encoder
 half's window KV and every kv-source segment (the encoder's and the CED source's) are one set of tensors
@@ -55,7 +56,7 @@ class MultiAdapterResult:
     logits: list[torch.Tensor]
     refused: dict[int, str] = field(default_factory=dict)
     shared: list[int] = field(default_factory=list)
-    batched: list[int] = field(default_factory=list)  # exact=False: adapters whose decoder halves ran batched
+    batched: list[int] = field(default_factory=list)  # adapters whose decoder halves ran as one batched pass
     compressor_reuses: int = 0  # adapters that took the source compressor's latent from the shared pass
     caches: list[DecodeCache | None] = field(default_factory=list)  # caches=True: each adapter's prompt cache
 
@@ -152,15 +153,18 @@ def _share_source_segments(caches: list[DecodeCache], layer: int) -> list[Decode
 
 @torch.no_grad()
 def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple], share: bool = True,
-                         exact: bool = True, caches: bool = False) -> MultiAdapterResult:
+                         exact: bool = True, caches: bool = False, batched: bool = True) -> MultiAdapterResult:
     """input_ids [B,S]; adapters: [(placement, tensors)] -> logits per adapter (shared encoder where allowed).
 
-    `exact` (default): one decoder pass per shared adapter, logits bit-equal to separate runs. `exact=False`:
-    shared adapters of one placement run their decoder halves as one batched pass (`batched_decoder.py`),
-    equal to fp32 rounding only. `caches`: also return each adapter's prompt DecodeCache (exact only).
+    Shared adapters of one placement run their decoder halves as one batched pass (`batched_decoder.py`). With
+    `exact` (default) the ops whose rounding depends on the batch run per adapter chunk (`batch_invariant.py`)
+    and the logits are bit-equal to separate runs; `exact=False` batches those too, equal to fp32 rounding
+    only. `batched=False`: one decoder pass per shared adapter, bit-equal as well. `caches`: also return each
+    adapter's prompt DecodeCache (exact only).
     """
     if caches and not exact:
-        raise ValueError("multi_adapter_logits: caches=True needs exact=True (the batched decoder keeps no cache)")
+        raise ValueError("multi_adapter_logits: caches=True needs exact=True (a cache must equal the adapter's own "
+                         "prefill bit for bit)")
     result = MultiAdapterResult([None] * len(adapters), caches=[None] * len(adapters))
     start = resident.cfg.decoder_start
     with resident.lock:
@@ -179,18 +183,21 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
             past = empty_cache(resident.model, input_ids.shape[0], input_ids.device) if caches else None
             enc, enc_step = encoder_half(resident.model, input_ids, past)
         groups: dict[str, list[int]] = {}
-        if not exact:
+        if batched:
             for i in result.shared:
                 groups.setdefault(placement_key(adapters[i][0]), []).append(i)
         for members in groups.values():
             if len(members) < 2:
                 continue
             pc = adapters[members[0]][0]
+            steps = [enc_step.fork() for _ in members] if enc_step is not None else None  # each its own records
             with resident.bind(pc, adapters[members[0]][1]) as model:
                 logits = batched_decoder_logits(model, resident.adapter_slots(pc), [adapters[i][1] for i in members],
-                                                enc, stats)
-            for i, lg in zip(members, logits):
+                                                enc, stats, invariant=exact, steps=steps)
+            for k, (i, lg) in enumerate(zip(members, logits)):
                 result.logits[i] = lg
+                if steps is not None:
+                    result.caches[i] = steps[k].finish(input_ids, torch.full_like(input_ids, -1))
             result.batched.extend(members)
         for i, (pc, tensors) in enumerate(adapters):
             if result.logits[i] is not None:
@@ -221,18 +228,19 @@ def _encoder_key(cache: DecodeCache, start: int) -> tuple:
 
 @dataclass
 class MultiAdapterStep:
-    """One decode step of N adapters: logits per adapter ([B,V] or [B,n,V] fp32), the extended caches, and how
-    many encoder-half passes ran (1 when every adapter shared one)."""
+    """One decode step of N adapters: logits per adapter ([B,V] or [B,n,V] fp32), the extended caches, how
+    many encoder-half passes ran (1 when every adapter shared one), and which decoder halves ran batched."""
 
     logits: list[torch.Tensor]
     caches: list[DecodeCache]
     encoder_passes: int = 0
     refused: dict[int, str] = field(default_factory=dict)
+    batched: list[int] = field(default_factory=list)  # adapters whose decoder halves ran as one batched pass
 
 
 @torch.no_grad()
 def multi_adapter_decode(resident, caches: list[DecodeCache], next_ids: torch.Tensor | list[torch.Tensor],
-                         adapters: list[tuple]) -> MultiAdapterStep:
+                         adapters: list[tuple], batched: bool = True) -> MultiAdapterStep:
     """Decode one token (next_ids [B]) or chunk ([B,n]) for N adapters, each from its own cache; bit-equal to
     each adapter's own `model.decode(cache, next_ids)`.
 
@@ -243,6 +251,8 @@ def multi_adapter_decode(resident, caches: list[DecodeCache], next_ids: torch.Te
     half from its own decoder-layer cache. The shared encoder records stay one set of tensors in the new
     caches, so sharing continues for as long as the continuations agree; an adapter whose ids diverge is
     grouped on its own (still one encoder pass per distinct continuation). Other adapters decode alone.
+    Members of one placement run their decoder halves as one bit-exact batched pass (`batched=False`: one
+    pass each), each from its own cache.
     """
     if len(caches) != len(adapters):
         raise ValueError(f"multi_adapter_decode: {len(caches)} caches for {len(adapters)} adapters")
@@ -275,12 +285,26 @@ def multi_adapter_decode(resident, caches: list[DecodeCache], next_ids: torch.Te
             enc, enc_step = encoder_half(resident.model, chunk, caches[leader])
             out.encoder_passes += 1
             types = torch.full_like(chunk, -1)
+            steps = {i: CacheStep(caches[i], dict(enc_step.window), dict(enc_step.sources)) for i in members}
+            placements: dict[str, list[int]] = {}  # own decoder past each; same placement: one batched pass
             for i in members:
-                pc, tensors = adapters[i]
-                step = CacheStep(caches[i], dict(enc_step.window), dict(enc_step.sources))  # own decoder past
+                placements.setdefault(placement_key(adapters[i][0]) if batched else str(i), []).append(i)
+            for same in placements.values():
+                if len(same) > 1:
+                    pc = adapters[same[0]][0]
+                    with resident.bind(pc, adapters[same[0]][1]) as model:
+                        logits = batched_decoder_logits(model, resident.adapter_slots(pc),
+                                                        [adapters[i][1] for i in same], enc, stats, invariant=True,
+                                                        steps=[steps[i] for i in same])
+                    for i, lg in zip(same, logits):
+                        out.logits[i] = lg
+                    out.batched.extend(same)
+                    continue
+                pc, tensors = adapters[same[0]]
                 with resident.bind(pc, tensors) as model:
-                    out.logits[i] = decoder_half(model, enc, step, memo, stats)
-                out.caches[i] = step.finish(chunk, types)
+                    out.logits[same[0]] = decoder_half(model, enc, steps[same[0]], memo, stats)
+            for i in members:
+                out.caches[i] = steps[i].finish(chunk, types)
             if len(members) > 1 and start in resident.cfg.text.kv_source_layer_ids:
                 for i, cache in zip(members, _share_source_segments([out.caches[i] for i in members], start)):
                     out.caches[i] = cache
