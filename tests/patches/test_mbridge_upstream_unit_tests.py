@@ -27,7 +27,7 @@ CASES = [(p.patch_id, f) for p in SERIES.patches for f in p.files
          if f.startswith("tests/unit_tests/") and f.endswith(".py") and f"--- /dev/null\n+++ b/{f}" in p.diff]
 # megatron-core modules a megatron-bridge patch builds on (from the megatron-lm series; stock megatron-core has
 # none): its in-patch tests run with those megatron-core runtime twins applied.
-NEEDS_MCORE = {"DSV41-MBRIDGE-004": ("DSV41-MCORE-008",)}
+NEEDS_MCORE = {"DSV41-MBRIDGE-001": ("DSV41-MCORE-008",), "DSV41-MBRIDGE-004": ("DSV41-MCORE-008",)}
 CONFTEST = """from pathlib import Path
 
 from dsv4flash import _patching, mbridge_cpu_import
