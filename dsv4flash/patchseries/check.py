@@ -138,7 +138,7 @@ def run_check(
     kwargs = {} if required_folders is None else {"required_folders": required_folders}
     if folders:  # only the chosen folders' metadata, and the twins of their distributions
         chosen = {n: s for n, s in series_map.items() if n in folders}
-        report.problems += validate(chosen, project_root, required_folders=())
+        report.problems += validate(chosen, project_root, required_folders=(), every_series=series_map)
     else:
         report.problems += validate(series_map, project_root, **kwargs)
     report.problems += twin_problems(series_map, registry, folders)

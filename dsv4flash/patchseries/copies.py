@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv4flash.patchseries import fetch, gitops
-from dsv4flash.patchseries.series import Series
+from dsv4flash.patchseries.series import PatchFile, Series
 
 
 @dataclass(frozen=True)
@@ -55,3 +55,15 @@ def patched_copy(series: Series, patch_ids: tuple[str, ...], opts: fetch.FetchOp
 
     root = fetch.materialise(final, build)
     return PatchedCopy(root, root / prefix if prefix else root, tuple(p.patch_id for p in patches), release.origin)
+
+
+def upstream_dependency_copies(series_map: dict[str, Series], patch: PatchFile,
+                               opts: fetch.FetchOptions = fetch.FetchOptions()) -> list[PatchedCopy]:
+    """Patched copies of the other upstreams `patch` builds on (`Depends-On: <folder>/<Patch-Id>`), one per folder,
+    each with its series applied up to the named patches (their Depends-On included)."""
+    wanted: dict[str, list[str]] = {}
+    for folder, pid in patch.upstream_depends_on:
+        if folder not in series_map:
+            raise KeyError(f"{patch.folder}/{patch.name}: Depends-On {folder}/{pid} names no loaded upstream folder")
+        wanted.setdefault(folder, []).append(pid)
+    return [patched_copy(series_map[folder], tuple(ids), opts) for folder, ids in wanted.items()]

@@ -178,8 +178,28 @@ class PatchFile:
 
     @property
     def depends_on(self) -> tuple[str, ...]:
-        """Patch-Ids that must be applied first."""
+        """Depends-On as written: `Patch-Id` (this folder) or `<folder>/<Patch-Id>` (another upstream's series)."""
         return self.many("Depends-On")
+
+    @property
+    def local_depends_on(self) -> tuple[str, ...]:
+        """Patch-Ids of this folder that must be applied first (a `<this folder>/` prefix is dropped)."""
+        return tuple(pid for folder, pid in map(self._split_dependency, self.depends_on) if folder == self.folder)
+
+    @property
+    def upstream_depends_on(self) -> tuple[tuple[str, str], ...]:
+        """(folder, Patch-Id) of each dependency in another upstream's series (its patched tree must be there too)."""
+        return tuple((folder, pid) for folder, pid in map(self._split_dependency, self.depends_on)
+                     if folder != self.folder)
+
+    @property
+    def depends_on_ids(self) -> tuple[str, ...]:
+        """Every dependency's bare Patch-Id (Patch-Ids are unique across folders; twins name them this way)."""
+        return tuple(pid for _, pid in map(self._split_dependency, self.depends_on))
+
+    def _split_dependency(self, dep: str) -> tuple[str, str]:
+        folder, _, pid = dep.rpartition("/")
+        return folder or self.folder, pid
 
 
 def _unfold(value: str) -> str:
@@ -269,7 +289,7 @@ class Series:
             if pid in wanted or pid not in by_id:
                 continue
             wanted.add(pid)
-            stack.extend(by_id[pid].depends_on)
+            stack.extend(by_id[pid].local_depends_on)
         return [p for p in self.patches if p.patch_id in wanted]
 
 
@@ -288,9 +308,14 @@ def load_series(patches_dir: Path) -> dict[str, Series]:
 
 
 def validate(
-    series_map: dict[str, Series], project_root: Path, required_folders: tuple[str, ...] = UPSTREAM_FOLDERS
+    series_map: dict[str, Series], project_root: Path, required_folders: tuple[str, ...] = UPSTREAM_FOLDERS,
+    every_series: dict[str, Series] | None = None,
 ) -> list[Problem]:
-    """Every metadata problem findable without the upstream source; empty list means clean."""
+    """Every metadata problem findable without the upstream source; empty list means clean.
+
+    `every_series` (default `series_map`) is where `<folder>/<Patch-Id>` dependencies are looked up, so
+    checking one folder still resolves the other upstreams it depends on.
+    """
     problems: list[Problem] = []
     seen_ids: dict[str, str] = {}
     for name in required_folders:
@@ -300,6 +325,7 @@ def validate(
         problems += missing_required(series)
         for index, patch in enumerate(series.patches):
             problems += _validate_patch(series, index, patch, project_root)
+            problems += upstream_dependency_problems(every_series or series_map, patch)
             where = f"{series.folder}/{patch.name}"
             if patch.patch_id in seen_ids:
                 problems.append(Problem(where, f"Patch-Id {patch.patch_id} also used by {seen_ids[patch.patch_id]}"))
@@ -403,7 +429,7 @@ def _validate_patch(series: Series, index: int, patch: PatchFile, root: Path) ->
         except ValueError:
             out.append(Problem(where, f"Last-Update {patch.one('Last-Update')!r} must be YYYY-MM-DD"))
     earlier = {p.patch_id for p in series.patches[:index]}
-    for dep in patch.depends_on:
+    for dep in patch.local_depends_on:
         if dep not in earlier:
             out.append(Problem(where, f"Depends-On {dep} is not an earlier patch of {series.folder}"))
     if "Tests" in patch.trailers and not patch.many("Tests"):
@@ -424,6 +450,21 @@ def _validate_patch(series: Series, index: int, patch: PatchFile, root: Path) ->
     for sym in patch.many("Touches"):
         if touched_file(sym, patch.files, series.base.repo_prefix) is None:
             out.append(Problem(where, f"Touches {sym} is not in any file the diff changes ({', '.join(patch.files)})"))
+    return out
+
+
+def upstream_dependency_problems(series_map: dict[str, Series], patch: PatchFile) -> list[Problem]:
+    """A `<folder>/<Patch-Id>` Depends-On must name a patch of another loaded upstream folder."""
+    where = f"{patch.folder}/{patch.name}"
+    out = []
+    for folder, pid in patch.upstream_depends_on:
+        dep = f"{folder}/{pid}"
+        if folder not in series_map:
+            known = ", ".join(n for n in series_map if n != patch.folder) or "none"
+            out.append(Problem(where, f"Depends-On {dep}: no upstream folder patches/{folder} (expected "
+                                      f"<folder>/<Patch-Id> with folder one of: {known})"))
+        elif pid not in series_map[folder].by_id():
+            out.append(Problem(where, f"Depends-On {dep}: patches/{folder} has no patch {pid}"))
     return out
 
 
@@ -485,7 +526,7 @@ def _twin_agrees(series: Series, patch: PatchFile, registry) -> list[Problem]:
         "Gate": (patch.one("Gate").split()[0] if patch.one("Gate") else "", meta.gate),
         "Touches": (sorted(patch.many("Touches")), sorted(meta.touches)),
         "Tests": (sorted(patch.many("Tests")), sorted(meta.tests)),
-        "Depends-On": (sorted(patch.depends_on), sorted(meta.depends_on)),
+        "Depends-On": (sorted(patch.depends_on_ids), sorted(meta.depends_on)),
     }
     for key, (trailer, twin) in pairs.items():
         if trailer != twin:

@@ -217,13 +217,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def _series_for(patch_id: str, rootpath: Path):
-    """The loaded Series folder that contains `patch_id`."""
+    """(the loaded Series folder that contains `patch_id`, every loaded folder by name)."""
     from dsv4flash.patchseries.series import load_series
 
     patches_dir = rootpath / "patches"
-    for series in load_series(patches_dir).values():
+    series_map = load_series(patches_dir)
+    for series in series_map.values():
         if patch_id in series.by_id():
-            return series
+            return series, series_map
     raise LookupError(f"Patch-Id {patch_id} has no format-patch under {patches_dir}")
 
 
@@ -241,13 +242,17 @@ def _run_child(item: pytest.Function, form: str) -> dict:
     env.pop(COPY_ENV, None)
     if form == "series":
         patch_id = item.module.PATCH_ID
+        series, series_map = _series_for(patch_id, item.config.rootpath)
+        opts = fetch.FetchOptions(source=os.environ.get(SOURCE_ENV, "auto"))
         try:
-            copy = copies.patched_copy(_series_for(patch_id, item.config.rootpath), (patch_id,),
-                                       fetch.FetchOptions(source=os.environ.get(SOURCE_ENV, "auto")))
+            copy = copies.patched_copy(series, (patch_id,), opts)
+            # A patch on another upstream's patches (Depends-On: <folder>/<Patch-Id>) runs on both patched trees.
+            others = copies.upstream_dependency_copies(series_map, series.by_id()[patch_id], opts)
         except fetch.FetchError as exc:
             pytest.skip(f"no pinned upstream release to patch on this machine: {exc}")
         env[COPY_ENV] = str(copy.root)
-        env["PYTHONPATH"] = os.pathsep.join([str(copy.sys_path), *filter(None, [env.get("PYTHONPATH")])])
+        paths = [str(copy.sys_path), *(str(other.sys_path) for other in others)]
+        env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
     with tempfile.TemporaryDirectory(prefix="dsv4flash-forms-") as tmp:
         results_path = Path(tmp) / "results.json"
         env[RESULTS_ENV] = str(results_path)

@@ -2,8 +2,9 @@
 
 The stock test shows 0.6.2's `LoRA` refuses the projection ("Layer type is unrecognized for LoRA"). The
 `patch_form` tests run with the runtime twin on the installed megatron-bridge and on a copy of the pinned release
-with the format-patch applied; in both, megatron-core's `GroupedLowRankProjection` comes from the DSV41-MCORE-008
-twin (stock megatron-core has none). The oracles: a per-group computation in plain PyTorch, and the real `peft`
+with the format-patch applied; megatron-core's `GroupedLowRankProjection` comes from the DSV41-MCORE-008 twin in
+the runtime form (stock megatron-core has none) and, in the series form, from the pinned megatron-core with the
+megatron-lm series applied up to DSV41-MCORE-008 (the patch's `Depends-On: megatron-lm/DSV41-MCORE-008`). The oracles: a per-group computation in plain PyTorch, and the real `peft`
 library loading the exported rank-G·r adapter on the base weight. The in-patch unit test runs on the patched tree
 in tests/patches/test_mbridge_upstream_unit_tests.py.
 """
@@ -11,11 +12,14 @@ in tests/patches/test_mbridge_upstream_unit_tests.py.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+
+from dsv4flash.patchseries.testing import FORM_ENV
 
 PATCH_ID = "DSV41-MBRIDGE-004"
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,14 +33,19 @@ IN_G = HEADS // GROUPS * HEAD_DIM
 
 @pytest.fixture(scope="module")
 def lora_cls():
-    """megatron-bridge's `LoRA` (CPU import shim), with megatron-core's CSA2 modules from the DSV41-MCORE-008 twin."""
+    """megatron-bridge's `LoRA` (CPU import shim), with megatron-core's CSA2 modules: the DSV41-MCORE-008 twin on a
+    stock megatron-core; in the series form the patched megatron-core the harness puts on the path (the patch's
+    `Depends-On: megatron-lm/DSV41-MCORE-008`), where the twin's probe finds them."""
     from dsv4flash import _patching
     from tests.mbridge import shim
 
     shim.install()
     csa2 = _patching.discover().get("DSV41-MCORE-008")
     applied_here = not csa2.applied
-    assert csa2.apply(mode="on").active
+    outcome = csa2.apply(mode="auto")
+    assert outcome.active, outcome
+    if os.environ.get(FORM_ENV) == "series":  # the patched megatron-core tree is on the path, not the twin
+        assert outcome is _patching.Outcome.UPSTREAM_HAS_IT, outcome
     from megatron.bridge.peft.lora import LoRA
 
     yield LoRA

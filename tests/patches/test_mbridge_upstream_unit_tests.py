@@ -1,9 +1,11 @@
 """The upstream-style unit tests a megatron-bridge format-patch adds, run here on the patched tree.
 
 Each file the patch adds under tests/unit_tests/ runs in a fresh pytest on a copy of the pinned release with
-the patch (and its Depends-On) applied. megatron-bridge 0.6.2 needs Python 3.12 and Transformer Engine to
-import, so the run's conftest installs the CPU import shim (`dsv4flash.mbridge_cpu_import`) first, exactly
-as this project's own megatron-bridge tests do; the test files themselves run unchanged.
+the patch (and its Depends-On) applied; a patch on megatron-core patches (`Depends-On: megatron-lm/<Patch-Id>`)
+also gets the pinned megatron-core with the megatron-lm series applied up to that patch, on the path before
+the installed one. megatron-bridge 0.6.2 needs Python 3.12 and Transformer Engine to import, so the run's
+conftest installs the CPU import shim (`dsv4flash.mbridge_cpu_import`) first, exactly as this project's own
+megatron-bridge tests do; the test files themselves run unchanged.
 """
 
 from __future__ import annotations
@@ -22,22 +24,21 @@ from dsv4flash.patchseries.series import load_series
 
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
 ROOT = Path(__file__).resolve().parents[2]
-SERIES = load_series(ROOT / "patches")["megatron-bridge"]
+SERIES_MAP = load_series(ROOT / "patches")
+SERIES = SERIES_MAP["megatron-bridge"]
 CASES = [(p.patch_id, f) for p in SERIES.patches for f in p.files
          if f.startswith("tests/unit_tests/") and f.endswith(".py") and f"--- /dev/null\n+++ b/{f}" in p.diff]
-# megatron-core modules a megatron-bridge patch builds on (from the megatron-lm series; stock megatron-core has
-# none): its in-patch tests run with those megatron-core runtime twins applied.
-NEEDS_MCORE = {"DSV41-MBRIDGE-001": ("DSV41-MCORE-008",), "DSV41-MBRIDGE-004": ("DSV41-MCORE-008",)}
 CONFTEST = """from pathlib import Path
 
-from dsv4flash import _patching, mbridge_cpu_import
+from dsv4flash import mbridge_cpu_import
 
 mbridge_cpu_import.install()
 import megatron.bridge
+import megatron.core
 
 assert Path(megatron.bridge.__file__).resolve().is_relative_to(Path({root!r}).resolve()), megatron.bridge.__file__
-for patch_id in {mcore!r}:
-    assert _patching.discover().get(patch_id).apply(mode="on").active, patch_id
+for other in {others!r}:  # a patched megatron-core (Depends-On: megatron-lm/...) is the one imported
+    assert Path(megatron.core.__file__).resolve().is_relative_to(Path(other).resolve()), megatron.core.__file__
 """
 
 
@@ -48,15 +49,16 @@ def test_every_megatron_bridge_patch_adds_unit_tests():
 @pytest.mark.slow
 @pytest.mark.parametrize("patch_id, rel", CASES, ids=[f"{pid}:{Path(rel).name}" for pid, rel in CASES])
 def test_upstream_unit_tests_pass_on_the_patched_tree(patch_id, rel, tmp_path):
-    copy = copies.patched_copy(SERIES, (patch_id,), fetch.FetchOptions(source=os.environ.get(
-        "DSV4FLASH_PATCH_SOURCE", "auto")))
+    opts = fetch.FetchOptions(source=os.environ.get("DSV4FLASH_PATCH_SOURCE", "auto"))
+    copy = copies.patched_copy(SERIES, (patch_id,), opts)
+    others = copies.upstream_dependency_copies(SERIES_MAP, SERIES.by_id()[patch_id], opts)
     assert (copy.root / rel).is_file(), f"{rel} missing from the patched copy"
     test_file = tmp_path / rel  # run from a scratch root whose conftest installs the shim before collection
     test_file.parent.mkdir(parents=True)
     shutil.copyfile(copy.root / rel, test_file)
-    (tmp_path / "conftest.py").write_text(CONFTEST.format(root=str(copy.root), mcore=NEEDS_MCORE.get(patch_id, ())))  # also: the patched tree is used
+    (tmp_path / "conftest.py").write_text(CONFTEST.format(root=str(copy.root), others=[str(o.root) for o in others]))
     env = {k: v for k, v in os.environ.items() if k != "DSV4FLASH_STRICT_SKIPS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(copy.sys_path), str(ROOT)])
+    env["PYTHONPATH"] = os.pathsep.join([str(copy.sys_path), *(str(o.sys_path) for o in others), str(ROOT)])
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(test_file),
                            "--rootdir", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

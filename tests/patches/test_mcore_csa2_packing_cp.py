@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.mcore_cpu import parallel as mcore_parallel_lib
-from tests.patches.test_mcore_hyper_connection import added_files
+from tests.patches.test_mcore_hyper_connection import ROOT, added_files
 
 PATCH_ID = "DSV41-MCORE-009"
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
@@ -80,13 +80,28 @@ def test_twin_files_are_the_patches_files():
     from dsv4flash.integrations.mcore.patches import UPSTREAM_SOURCES
     from dsv4flash.integrations.mcore.patches.csa2_packing_cp import SOURCE
 
-    added = {rel: body for pid in ("DSV41-MCORE-010", "DSV41-MCORE-008", PATCH_ID)
+    from dsv4flash.integrations.mcore.patches.csa2_attention import SHIPPED_AS_OF
+    from tests.patches.test_mcore_csa2_compress_pool_yarn import patched_tree
+
+    added = {rel: body for pid in ("DSV41-MCORE-010", "DSV41-MCORE-008", PATCH_ID, SHIPPED_AS_OF)
              for rel, body in added_files(pid).items()}
-    # Every shipped file is some patch's new file, byte for byte (no stale or extra copies).
+    # Every shipped file is some patch's new file (no stale or extra copies), byte for byte as the patch adds
+    # it or, for a file that DSV41-MCORE-011 edits afterwards, as 011's patched tree leaves it.
     assert {str(p.relative_to(UPSTREAM_SOURCES)) for p in UPSTREAM_SOURCES.rglob("*.py")} == set(added)
     assert SOURCE in added_files(PATCH_ID)
+    tree = patched_tree(SHIPPED_AS_OF)
+    edited = {rel for rel in tree_files_edited(SHIPPED_AS_OF) if rel in added}
     for rel, body in added.items():
-        assert body == (UPSTREAM_SOURCES / rel).read_text(), f"{rel}: the twin's copy differs from the patch"
+        expected = (tree.root / rel).read_text() if rel in edited else body
+        assert expected == (UPSTREAM_SOURCES / rel).read_text(), f"{rel}: the twin's copy differs from the patch"
+
+
+def tree_files_edited(patch_id: str) -> set[str]:
+    """Files a megatron-lm patch modifies (rather than creates)."""
+    from dsv4flash.patchseries.series import load_series
+
+    patch = load_series(ROOT / "patches")["megatron-lm"].by_id()[patch_id]
+    return set(patch.files) - set(added_files(patch_id))
 
 
 def test_packed_documents_match_separate_runs(patch_form, mcore_parallel):

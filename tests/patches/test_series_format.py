@@ -101,3 +101,36 @@ def test_message_without_trailer_block(fake):
     problems = _problems(fake)
     assert any("last paragraph of the message is not a trailer block" in p for p in problems)
     assert any("missing required trailer(s): Patch-Id" in p for p in problems)
+
+
+def _second_upstream(fake: FakeProject) -> None:
+    """patches/otherup: a copy of the fakeup folder whose one patch is OTHER-001 (another upstream's series)."""
+    src, dst = fake.patches_dir / "fakeup", fake.patches_dir / "otherup"
+    dst.mkdir()
+    (dst / "base.txt").write_text((src / "base.txt").read_text())
+    patch = next(src.glob("0001-*.patch"))
+    (dst / patch.name).write_text(patch.read_text().replace("Patch-Id: FAKE-001", "Patch-Id: OTHER-001"))
+
+
+@pytest.mark.parametrize("dependency, message", [
+    ("otherup/OTHER-001", None),
+    ("fakeup/FAKE-001", None),  # this folder, spelled with its name
+    ("otherup/OTHER-999", "Depends-On otherup/OTHER-999: patches/otherup has no patch OTHER-999"),
+    ("nowhere/OTHER-001", "Depends-On nowhere/OTHER-001: no upstream folder patches/nowhere (expected "
+                          "<folder>/<Patch-Id> with folder one of: otherup)"),
+    ("OTHER-001", "Depends-On OTHER-001 is not an earlier patch of fakeup"),  # another folder needs its name
+])
+def test_depends_on_another_upstreams_patch(fake, dependency, message):
+    fake.add_patch("fix(core): answer 42", ANSWER_FIX, trailers("FAKE-001"))
+    _second_upstream(fake)
+    fake.add_patch("fix(core): answer 43", {"fakeup/core.py": ("return 42", "return 43")},
+                   trailers("FAKE-002", **{"Depends-On": dependency}))
+    # (otherup's copied patch names no Tests file of its own Patch-Id: that finding is not about Depends-On)
+    assert [p for p in _problems(fake) if "Depends-On" in p] == ([message] if message else [])
+    loaded = series.load_series(fake.patches_dir)
+    patch = loaded["fakeup"].by_id()["FAKE-002"]
+    local = dependency.rpartition("/")[0] in ("", "fakeup")
+    assert patch.upstream_depends_on == (() if local else (tuple(dependency.split("/")),))
+    # Only this folder's dependencies are applied before it; another upstream's tree is put next to it instead.
+    expected = ["FAKE-001", "FAKE-002"] if local and dependency.endswith("FAKE-001") else ["FAKE-002"]
+    assert [p.patch_id for p in loaded["fakeup"].closure(patch)] == expected

@@ -64,6 +64,7 @@ def _transform(gl, stock):
     touches=TOUCHES,
     gate="DSV4FLASH_MBRIDGE_GROUPED_LORA",
     tests=("tests/patches/test_mbridge_grouped_lora.py",),
+    depends_on=("DSV41-MCORE-008",),  # the patch's `Depends-On: megatron-lm/DSV41-MCORE-008`: the projection it wraps
     upstream_has_it=upstream_has_grouped_lora,
 )
 def install(patcher: Patcher) -> None:

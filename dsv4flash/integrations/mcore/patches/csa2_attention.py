@@ -8,8 +8,12 @@ How: the format-patch adds `megatron/core/transformer/experimental_attention_var
 (per-sequence token positions and compression-group tables), `.../csa2.py` (config, compressor, indexer with
 candidate pool, CSA2 self-attention) and `megatron/core/models/gpt/csa2_layer_specs.py` (CSA2 in the mHC layer
 of DSV41-MCORE-010). The very same files ship in this package under `_upstream/` (tests check they are
-byte-identical to the patch), and this twin executes them as those upstream modules on a stock install. They
-import only megatron-core; the layer state crosses full recompute through DSV41-MCORE-007.
+byte-identical to the patched tree), and this twin executes them as those upstream modules on a stock install.
+They import only megatron-core; the layer state crosses full recompute through DSV41-MCORE-007.
+
+`csa2.py` ships as DSV41-MCORE-011 leaves it (layer kind `C`, YaRN fields): one runtime copy of the new
+modules, not one per patch. A pattern without `C` and `csa2_yarn_factor` 1.0 (the defaults) build exactly the
+modules of this patch alone; 011's twin checks the shipped file carries it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ MODULES = {
         "megatron/core/transformer/experimental_attention_variant/csa2.py",
     "megatron.core.models.gpt.csa2_layer_specs": "megatron/core/models/gpt/csa2_layer_specs.py",
 }
+# The patch whose patched tree `_upstream/` holds these files from (the last CSA2 patch that edits them).
+SHIPPED_AS_OF = "DSV41-MCORE-011"
 TOUCHES = (
     "megatron.core.transformer.experimental_attention_variant.csa2.CSA2SelfAttention",
     "megatron.core.models.gpt.csa2_layer_specs.get_csa2_decoder_block_spec",

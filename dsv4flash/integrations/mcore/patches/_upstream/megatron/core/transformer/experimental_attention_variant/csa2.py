@@ -11,9 +11,15 @@ attention sink. Layers listed in ``csa2_layer_pattern`` add compressed keys:
 * ``P`` (pool): re-runs the indexer query on the published keys and also publishes a hierarchical
   candidate pool (the best ``csa2_candidate_topk_blocks`` blocks of ``csa2_candidate_block_size``
   entries, the newest visible block always kept);
+* ``C`` (compress and pool): an ``F`` layer that also publishes the candidate pool of its own
+  scores, as ``P`` does; its own top-k still picks among all visible compressed keys;
 * ``I`` (reindex): re-runs the indexer query, restricted to the published pool when there is one;
 * ``R`` (reuse): attends to the top-k published below without an indexer of its own;
 * ``S``: sliding window only.
+
+Layers that read compressed keys rotate with ``csa2_compressed_rope_theta`` and, when
+``csa2_yarn_factor`` is not 1, YaRN-interpolated frequencies (frequencies only: the attention scale
+is unchanged); window-only layers use plain RoPE with ``csa2_rope_theta``.
 
 What one layer publishes for the next ones, ``(compressed_kv, index_keys, topk, candidates)``, is an
 explicit layer state returned next to the output, so it travels through full recompute as checkpoint
@@ -30,6 +36,10 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_find_correction_range,
+    _yarn_linear_ramp_mask,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.experimental_attention_variant.csa2_layout import (
@@ -41,7 +51,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import divide
 
-LAYER_KINDS = "SFPIR"
+LAYER_KINDS = "SFCPIR"
 
 # (compressed_kv [b, T, d], index_keys [b, T, d_index], topk [b, s, k], candidates [b, s, T])
 CSA2LayerState = Tuple[Optional[torch.Tensor], ...]
@@ -52,10 +62,11 @@ class CSA2TransformerConfig(HyperConnectionTransformerConfig):
     """HyperConnectionTransformerConfig with the CSA2 attention options (head_dim is kv_channels)."""
 
     csa2_layer_pattern: str = ""
-    """One character per layer: S (window only), F (full), P (pool), I (reindex), R (reuse)."""
+    """One character per layer: S (window only), F (full), C (compress and pool), P (pool),
+    I (reindex), R (reuse)."""
 
     csa2_compress_ratios: List[int] = field(default_factory=list)
-    """Compress ratio of each layer; only entries of F layers are read (defaults to 4 for all)."""
+    """Compress ratio of each layer; only entries of F and C layers are read (default: 4 for all)."""
 
     csa2_q_lora_rank: int = 64
     """Rank of the low-rank query projection (also the indexer query input)."""
@@ -68,6 +79,18 @@ class CSA2TransformerConfig(HyperConnectionTransformerConfig):
 
     csa2_compressed_rope_theta: float = 160000.0
     """RoPE base of layers that read compressed keys."""
+
+    csa2_yarn_factor: float = 1.0
+    """YaRN frequency scale of layers that read compressed keys (1.0 = plain RoPE)."""
+
+    csa2_yarn_original_max_position_embeddings: int = 0
+    """Context length the RoPE was trained at before YaRN (required when csa2_yarn_factor != 1)."""
+
+    csa2_yarn_beta_fast: float = 32.0
+    """Rotations over the original context above which a frequency is kept (extrapolated)."""
+
+    csa2_yarn_beta_slow: float = 1.0
+    """Rotations over the original context below which a frequency is divided by the factor."""
 
     csa2_sliding_window: int = 128
     """Keys each query sees in its window (itself included)."""
@@ -101,11 +124,28 @@ class CSA2TransformerConfig(HyperConnectionTransformerConfig):
                 f"csa2_compress_ratios must have one entry per layer ({self.num_layers}), "
                 f"got {len(self.csa2_compress_ratios)}"
             )
-        if pattern.lstrip("S")[:1] not in ("", "F"):
-            raise ValueError(f"csa2_layer_pattern {pattern!r}: P/I/R layers need an F layer before them")
+        if pattern.lstrip("S")[:1] not in ("", "F", "C"):
+            raise ValueError(
+                f"csa2_layer_pattern {pattern!r}: P/I/R layers need an F or C layer before them"
+            )
         for i, kind in enumerate(pattern):
-            if kind == "F" and self.csa2_compress_ratios[i] < 1:
-                raise ValueError(f"csa2_compress_ratios[{i}] of F layer must be >= 1")
+            if kind in "FC" and self.csa2_compress_ratios[i] < 1:
+                raise ValueError(f"csa2_compress_ratios[{i}] of {kind} layer must be >= 1")
+        if self.csa2_yarn_factor < 1.0:
+            raise ValueError(
+                f"csa2_yarn_factor must be >= 1 (1 = off), got {self.csa2_yarn_factor}"
+            )
+        if self.csa2_yarn_factor != 1.0:
+            if self.csa2_yarn_original_max_position_embeddings < 1:
+                raise ValueError(
+                    "csa2_yarn_original_max_position_embeddings must be set (>= 1) when "
+                    f"csa2_yarn_factor is {self.csa2_yarn_factor}"
+                )
+            if not self.csa2_yarn_beta_fast > self.csa2_yarn_beta_slow > 0:
+                raise ValueError(
+                    "csa2_yarn_beta_fast must exceed csa2_yarn_beta_slow > 0, got "
+                    f"{self.csa2_yarn_beta_fast} and {self.csa2_yarn_beta_slow}"
+                )
         if self.num_attention_heads % self.csa2_output_groups:
             raise ValueError("num_attention_heads must be a multiple of csa2_output_groups")
         if self.csa2_rope_dim % 2 or self.csa2_rope_dim > min(self.kv_channels, self.csa2_index_head_dim):
@@ -120,25 +160,49 @@ class CSA2LayerRole:
 
     kind: str
     ratio: int  # ratio of the compressed keys it reads (0 for S)
-    uses_pool: bool  # an I layer after a P layer of the same compressed keys
+    uses_pool: bool  # an I layer after a P or C layer of the same compressed keys
 
 
 def csa2_layer_role(config: CSA2TransformerConfig, layer_number: int) -> CSA2LayerRole:
     """The role of 1-based ``layer_number`` in ``config.csa2_layer_pattern``."""
     ratio, pooled = 0, False
     for i, kind in enumerate(config.csa2_layer_pattern[:layer_number]):
-        if kind == "F":
-            ratio, pooled = config.csa2_compress_ratios[i], False
-        elif kind == "P" and i < layer_number - 1:
+        earlier = i < layer_number - 1
+        if kind in "FC":
+            ratio, pooled = config.csa2_compress_ratios[i], kind == "C" and earlier
+        elif kind == "P" and earlier:
             pooled = True
     kind = config.csa2_layer_pattern[layer_number - 1]
     return CSA2LayerRole(kind=kind, ratio=ratio if kind != "S" else 0, uses_pool=kind == "I" and pooled)
 
 
-def rope_rotation(positions: torch.Tensor, rope_dim: int, theta: float) -> torch.Tensor:
-    """Integer positions [...] -> unit complex rotations [..., rope_dim / 2]."""
+def rope_frequencies(
+    rope_dim: int,
+    theta: float,
+    yarn_factor: float = 1.0,
+    original_max_position_embeddings: int = 0,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+) -> torch.Tensor:
+    """Angular frequencies [rope_dim / 2] in fp32; YaRN-interpolated when yarn_factor != 1.
+
+    YaRN keeps the frequencies that turn more than beta_fast times over the original context,
+    divides those turning fewer than beta_slow times by the factor and ramps linearly in between.
+    Only the frequencies change: unlike YarnRotaryEmbedding, no attention-scale factor is applied.
+    """
     freqs = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
-    angles = positions.float().unsqueeze(-1) * freqs.to(positions.device)
+    if yarn_factor == 1.0:
+        return freqs
+    low, high = _yarn_find_correction_range(
+        beta_fast, beta_slow, rope_dim, theta, original_max_position_embeddings
+    )
+    ramp = _yarn_linear_ramp_mask(low, high, rope_dim // 2, device=freqs.device)
+    return freqs / yarn_factor * ramp + freqs * (1 - ramp)
+
+
+def rope_rotation(positions: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
+    """Integer positions [...] -> unit complex rotations [..., rope_dim / 2] (fp32 angles)."""
+    angles = positions.float().unsqueeze(-1) * frequencies.to(positions.device)
     return torch.polar(torch.ones_like(angles), angles)
 
 
@@ -262,7 +326,7 @@ class CSA2Indexer(MegatronModule):
     """Lightning indexer: score_t = sum_h w_h * ReLU(q_h . k_t), then top-k (and the candidate pool).
 
     The selection is discrete, so the indexer receives no gradient from the language-model loss.
-    Only F layers own the index-key projection.
+    Only F and C layers own the index-key projection.
     """
 
     def __init__(self, config: CSA2TransformerConfig, submodules: CSA2IndexerSubmodules, owns_keys: bool):
@@ -390,7 +454,7 @@ class CSA2SelfAttention(MegatronModule):
     """CSA2 attention of one layer (see the module docstring).
 
     ``forward(hidden_states, layer_state, ...) -> (output, layer_state)`` with hidden_states and output
-    [s, b, h] and layer_state the ``CSA2LayerState`` tuple (empty before the first F layer).
+    [s, b, h] and layer_state the ``CSA2LayerState`` tuple (empty before the first F or C layer).
     """
 
     carries_layer_state = True
@@ -442,21 +506,31 @@ class CSA2SelfAttention(MegatronModule):
         kind = self.role.kind
         self.compressor = (
             build_module(submodules.compressor, config=config, ratio=self.role.ratio)
-            if kind == "F"
+            if kind in "FC"
             else None
         )
         self.indexer = (
-            build_module(submodules.indexer, config=config, owns_keys=kind == "F")
-            if kind in "FPI"
+            build_module(submodules.indexer, config=config, owns_keys=kind in "FC")
+            if kind in "FCPI"
             else None
         )
         self.rope_theta = (
             config.csa2_rope_theta if kind == "S" else config.csa2_compressed_rope_theta
         )
+        self.yarn_factor = 1.0 if kind == "S" else config.csa2_yarn_factor
 
     def rotation(self, positions: torch.Tensor) -> torch.Tensor:
         """Rotations [..., rope_dim / 2] of this layer for integer positions [...]."""
-        return rope_rotation(positions, self.config.csa2_rope_dim, self.rope_theta)
+        config = self.config
+        frequencies = rope_frequencies(
+            config.csa2_rope_dim,
+            self.rope_theta,
+            self.yarn_factor,
+            config.csa2_yarn_original_max_position_embeddings,
+            config.csa2_yarn_beta_fast,
+            config.csa2_yarn_beta_slow,
+        )
+        return rope_rotation(positions, frequencies)
 
     def token_layout(self, hidden_states: torch.Tensor, packed_seq_params=None) -> CSA2TokenLayout:
         """Where the tokens of hidden_states [s, b, h] sit (one whole sequence per row)."""
@@ -509,7 +583,7 @@ class CSA2SelfAttention(MegatronModule):
     def _compressed_keys(self, x, q_latent, rot, layout: CSA2TokenLayout, state) -> CSA2LayerState:
         compressed, index_keys, topk, candidates = state
         table = layout.groups(self.role.ratio)
-        if self.role.kind == "F":
+        if self.role.kind in "FC":
             latents = self.compressor(x, layout, table)  # [b, N, d] owned groups
             group_rot = self.rotation(table.owner_start)  # RoPE at each group's first token
             compressed = layout.publish(apply_rope(latents, group_rot), table)  # [b, T, d]
@@ -524,7 +598,7 @@ class CSA2SelfAttention(MegatronModule):
             )
         if self.indexer is not None:
             scores = self.indexer.scores(q_latent, x, index_keys, rot, table.visible())  # [b, s, T]
-            if self.role.kind == "P":
+            if self.role.kind in "PC":  # the pool's own top-k is not restricted to it
                 candidates = self.indexer.candidate_pool(scores, table)
             elif self.role.uses_pool and candidates is not None:
                 scores = scores.masked_fill(~candidates, float("-inf"))
