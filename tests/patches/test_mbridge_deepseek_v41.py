@@ -1,24 +1,30 @@
 """DSV41-MBRIDGE-001: the DeepSeek-V4.1 bridge and provider as megatron-bridge model code (`models/deepseek_v41/`).
 
 The stock test shows 0.6.2 has no V4.1 bridge of its own. The `patch_form` tests run with the runtime twin on the
-installed megatron-bridge and on a copy of the pinned release with the format-patch applied; in both, megatron-core's
-CSA2 / mHC modules come from the DSV41-MCORE-008 twin. The input is a tiny release-format checkpoint (32x32 FP8,
-MXFP4 experts, BF16/FP32 tensors) written here; the oracles are the reference `dsv4flash.model.Transformer` loaded
+installed megatron-bridge and on a copy of the pinned release with the format-patch applied; megatron-core's CSA2 /
+mHC modules (layer kind C, YaRN) come from the DSV41-MCORE-011 twin in the runtime form and, in the series form,
+from the pinned megatron-core with the megatron-lm series applied up to DSV41-MCORE-011 (the patch's
+`Depends-On: megatron-lm/DSV41-MCORE-011`). The input is a tiny release-format checkpoint (32x32 FP8, MXFP4
+experts, BF16/FP32 tensors) written here; the oracles are the reference `dsv4flash.model.Transformer` loaded
 with the same decoded tensors (logits) and the checkpoint's own stored bytes (export).
 
-The checkpoint is the tiny config restricted to what megatron-core's CSA2 can express today: no Engram layers, no
-vision tower, a candidate source whose pool no later layer reads, YaRN factor 1. The reference runs with its three
-fake-quant points off (window KV FP8, compressed KV FP4, index Q/K FP4): DSV41-MCORE-008 has none.
+The checkpoint is the tiny config's text decoder with its release layer plan (SSFRFRCRIRIR: layer 6 compresses
+keys and builds the candidate pool layers 8 and 10 search) and YaRN (factor 4) on compressed layers, without
+Engram layers and vision tower, which the bridge does not map yet. The reference runs with its three fake-quant
+points off (window KV FP8, compressed KV FP4, index Q/K FP4): megatron-core's CSA2 has none.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from dsv4flash.patchseries.testing import FORM_ENV
 
 PATCH_ID = "DSV41-MBRIDGE-001"
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,12 +35,9 @@ if importlib.util.find_spec("megatron.bridge") is None:  # not imported here: it
 
 
 def text_only_config(dst: Path) -> Path:
-    """The tiny release config reduced to S/F/I/R layers, text only (see the module docstring) -> config.json."""
+    """The tiny release config without Engram layers and vision tower (see the module docstring) -> config.json."""
     data = _tiny()
-    text = data["text_config"]
-    text.update(engram_layer_ids=[], engram_num_embeddings=[], kv_source_layer_ids=[2, 6],
-                index_source_layer_ids=[2, 4, 6], candidate_source_layer_id=6)
-    text["rope_scaling"]["factor"] = 1
+    data["text_config"].update(engram_layer_ids=[], engram_num_embeddings=[])
     data["vision_config"]["num_hidden_layers"] = 0
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(data, indent=1))
@@ -61,16 +64,20 @@ def _tiny() -> dict:
 
 
 @pytest.fixture(scope="module")
-def v41(tmp_path_factory):
-    """megatron-bridge (CPU import shim) with megatron-core's CSA2 / mHC modules from their twins; in the
-    [runtime] form the bridge twin is applied by the harness. -> the upstream package `models.deepseek_v41`."""
+def v41():
+    """megatron-bridge (CPU import shim) with megatron-core's CSA2 / mHC modules: the DSV41-MCORE-011 twin on a stock
+    megatron-core; in the series form the patched megatron-core the harness puts on the path, where the twin's probe
+    finds them. In the [runtime] form the harness applies the bridge twin."""
     from dsv4flash import _patching
     from dsv4flash.mbridge_cpu_import import install
 
     install()
-    csa2 = _patching.discover().get("DSV41-MCORE-008")
+    csa2 = _patching.discover().get("DSV41-MCORE-011")
     applied_here = not csa2.applied
-    assert csa2.apply(mode="on").active
+    outcome = csa2.apply(mode="auto")
+    assert outcome.active, outcome
+    if os.environ.get(FORM_ENV) == "series":  # the patched megatron-core tree is on the path, not the twin
+        assert outcome is _patching.Outcome.UPSTREAM_HAS_IT, outcome
     yield
     if applied_here:
         for twin in reversed(_patching.REGISTRY.all()):
@@ -199,13 +206,16 @@ def test_release_fields_become_the_csa2_layer_pattern(patch_form, v41, release):
 
     from dsv4flash.config import load_config
 
-    text = load_config(release / "config.json").text
+    cfg = load_config(release / "config.json")
+    text = cfg.text
     pattern = csa2_layer_pattern_from_hf(text.compress_ratios[:text.num_hidden_layers], text.kv_source_layer_ids,
                                          text.index_source_layer_ids, text.candidate_source_layer_id)
-    assert pattern == "SSFRIRFRRRRR"
-    # The release plan agrees layer by layer (full = F, reindex = I, reuse = R, swa = S).
+    assert pattern == "SSFRFRCRIRIR"
+    # The release plan agrees layer by layer (full = F, or C where it is the candidate source that later reindex
+    # layers read; reindex = I, reuse = R, swa = S).
     kinds = {"swa": "S", "full": "F", "reindex": "I", "reuse": "R"}
-    assert pattern == "".join(kinds[p.mode] for p in load_config(release / "config.json").backbone_plan)
+    readers = any(p.uses_candidates for p in cfg.backbone_plan)
+    assert pattern == "".join("C" if p.is_candidate_source and readers else kinds[p.mode] for p in cfg.backbone_plan)
     patch_form.record("pattern", pattern)
 
 
@@ -230,14 +240,16 @@ def test_autobridge_import_gives_the_reference_logits(patch_form, v41, mcore_par
 
     auto = _bridge(release)
     model = _model(auto)
-    assert [layer.self_attention.role.kind for layer in model.decoder.layers] == list("SSFRIRFRRRRR")
+    assert [layer.self_attention.role.kind for layer in model.decoder.layers] == list("SSFRFRCRIRIR")
+    assert model.config.csa2_yarn_factor == 4
     reference = Transformer(str(release / "config.json"), seed=None)
     reference.load_state_dict(_decoded(release), strict=True)
     for module, name in ((attention, "fake_quant_window_kv"), (attention, "fake_quant_compressed_kv"),
                          (indexer, "fake_quant_index")):
         monkeypatch.setattr(module, name, lambda x: x)  # DSV41-MCORE-008 has no fake-quant points
-    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(24).expand(2, -1)
+    # 40 tokens: past the YaRN original context (32) and several candidate blocks deep.
+    ids = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(40).expand(2, -1)
     with torch.no_grad():
         got = model(ids, positions, attention_mask=None).float()  # [b, s, vocab]
         want = reference.eval()(ids)

@@ -6,9 +6,9 @@ has no `hc_head_*`, a nested config and 32x32 FP8 blocks.
 
 How: the patch's new package `megatron.bridge.models.deepseek_v41` (`DeepSeekV41Bridge`, registered for
 `DeepseekV41ForCausalLM` on import, and `DeepSeekV41ModelProvider`) is executed from the patch's own files
-(`_upstream/`, byte-identical). It needs megatron-core's CSA2 / mHC modules (DSV41-MCORE-008 / -010): on a stock
-megatron-core `install` applies their twins first (as `dsv4flash.integrations.mcore.register()` would), and
-DSV41-MBRIDGE-002's `block_size`. The project's own `DSV41Bridge` registers for the
+(`_upstream/`, byte-identical). It needs megatron-core's CSA2 / mHC modules with layer kind C and YaRN
+(DSV41-MCORE-011 on -008 / -010; their twins on a stock megatron-core) and DSV41-MBRIDGE-002's `block_size`.
+The project's own `DSV41Bridge` registers for the
 same architecture; whichever registers last serves `AutoBridge` (megatron-bridge's dispatch rule).
 """
 
@@ -23,7 +23,6 @@ from dsv4flash.integrations.mbridge.patches import import_bridge, mbridge_twin
 
 PATCH_ID = "DSV41-MBRIDGE-001"
 UPSTREAM_SOURCES = Path(__file__).resolve().parent / "_upstream"
-MCORE_MODULES = ("DSV41-MCORE-008",)  # with its Depends-On: DSV41-MCORE-010, -007
 PACKAGE = "megatron.bridge.models.deepseek_v41"
 FOLDER = "src/megatron/bridge/models/deepseek_v41"
 SUBMODULES = ("deepseek_v41_provider", "deepseek_v41_bridge")  # import order: the bridge imports the provider
@@ -55,19 +54,13 @@ def _load(patcher: Patcher, name: str, path: Path, package: bool = False):
     touches=TOUCHES,
     gate="DSV4FLASH_MBRIDGE_DEEPSEEK_V41",
     tests=("tests/patches/test_mbridge_deepseek_v41.py",),
-    depends_on=("DSV41-MBRIDGE-002",),
+    # The patch's `Depends-On: DSV41-MBRIDGE-002, megatron-lm/DSV41-MCORE-011`: FP8 block size, and megatron-core's
+    # CSA2 / mHC modules with layer kind C and YaRN (on a stock megatron-core, their twins).
+    depends_on=("DSV41-MBRIDGE-002", "DSV41-MCORE-011"),
     upstream_has_it=upstream_has_deepseek_v41,
 )
 def install(patcher: Patcher) -> None:
     """Provide `megatron.bridge.models.deepseek_v41` from the patch's files (registers the bridge)."""
-    from dsv4flash import _patching
-
-    # The megatron-core modules the folder builds on: from megatron-core itself, else from their twins (the patched
-    # tree imports the folder only where megatron-core has them).
-    for patch_id in MCORE_MODULES:
-        if not _patching.discover().get(patch_id).apply().active:
-            raise ImportError(f"{PATCH_ID}: needs megatron-core's CSA2 / mHC modules ({patch_id}), which are neither "
-                              "in the installed megatron-core nor provided by their twin")
     root = UPSTREAM_SOURCES / FOLDER
     package_spec, package = _load(patcher, PACKAGE, root / "__init__.py", package=True)
     for leaf in SUBMODULES:

@@ -24,9 +24,9 @@ weight_block_size``), routed experts MXFP4 (1x32, E8M0); other tensors are BF16 
 ``.weight``/``.scale`` pair with that block size; export re-encodes with the checkpoint's scale geometry
 and casts the other tensors back to their stored dtype.
 
-Covered: the text decoder with window-only (S), compressing (F), re-indexing (I) and reusing (R) layers.
-Not covered yet: a candidate source whose pool later layers read (layer kind C), YaRN on compressed layers,
-Engram layers, the vision tower and aligner; such configs are refused with an error naming the field.
+Covered: the text decoder, every CSA2 layer kind the release uses (window-only S, compressing F, compressing
+and pooling C, re-indexing I, reusing R) and YaRN on compressed layers. Not covered yet: Engram layers, the
+vision tower and aligner, draft (MTP) layers; such configs are refused with an error naming the field.
 """
 
 from typing import Any, Dict, Mapping
@@ -139,11 +139,6 @@ def provider_kwargs_from_hf(hf_config: Any) -> Dict[str, Any]:
     rope_scaling = _field(text, "rope_scaling") or {}
     factor = float(_field(rope_scaling, "factor", 1.0) or 1.0)
     if factor != 1.0:  # the release applies YaRN on every compressed layer
-        if "csa2_yarn_factor" not in DeepSeekV41ModelProvider.__dataclass_fields__:
-            raise ValueError(
-                f"text_config.rope_scaling.factor is {factor}: YaRN on compressed layers needs "
-                "csa2_yarn_factor in megatron-core's CSA2TransformerConfig (not in this megatron-core)"
-            )
         kwargs.update(
             csa2_yarn_factor=factor,
             csa2_yarn_original_max_position_embeddings=_field(rope_scaling, "original_max_position_embeddings"),

@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.csa2_layer_specs import get_csa2_decoder_block_spec
-from megatron.core.transformer.experimental_attention_variant.csa2 import LAYER_KINDS, CSA2TransformerConfig
+from megatron.core.transformer.experimental_attention_variant.csa2 import CSA2TransformerConfig
 
 from megatron.bridge.models.gpt_provider import GPTModelProvider
 
@@ -58,11 +58,8 @@ def csa2_layer_pattern_from_hf(
             pattern.append("R")
     source = candidate_source_layer_id
     if source is not None and any(i > source for i in index - kv):
-        if "C" not in LAYER_KINDS:
-            raise ValueError(
-                f"candidate_source_layer_id {source}: index layers after it search its candidate pool, which "
-                "needs layer kind 'C' in megatron-core's csa2_layer_pattern (not in this megatron-core)"
-            )
+        if source not in kv:
+            raise ValueError(f"candidate_source_layer_id {source} must be a kv source ({sorted(kv)})")
         pattern[source] = "C"
     return "".join(pattern)
 
