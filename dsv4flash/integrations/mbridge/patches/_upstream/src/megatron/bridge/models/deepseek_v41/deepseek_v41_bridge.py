@@ -245,7 +245,9 @@ class DeepSeekV41Bridge(MegatronModelBridge):
                 gate="layers.*.ffn.shared_experts.w1.weight",
                 up="layers.*.ffn.shared_experts.w3.weight",
             ),
-            RowParallelMapping(f"{layer}.mlp.shared_experts.linear_fc2.weight", "layers.*.ffn.shared_experts.w2.weight"),
+            RowParallelMapping(
+                f"{layer}.mlp.shared_experts.linear_fc2.weight", "layers.*.ffn.shared_experts.w2.weight"
+            ),
         ]
         # mHC coefficients of the attention and MLP sites (fn, base, scale), replicated.
         for site, hf_site in (("self_attn_hyper_connection", "hc_attn"), ("mlp_hyper_connection", "hc_ffn")):

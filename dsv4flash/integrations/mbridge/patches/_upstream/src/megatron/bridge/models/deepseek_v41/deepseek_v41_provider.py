@@ -60,6 +60,13 @@ def csa2_layer_pattern_from_hf(
     if source is not None and any(i > source for i in index - kv):
         if source not in kv:
             raise ValueError(f"candidate_source_layer_id {source} must be a kv source ({sorted(kv)})")
+        later_kv = [k for k in kv if k > source]
+        if later_kv and any(i > min(later_kv) for i in index - kv):
+            # megatron-core's pool ends at the next F layer; V4.1 index layers would keep searching it.
+            raise ValueError(
+                f"candidate_source_layer_id {source}: index layers after kv source {min(later_kv)} search "
+                "its candidate pool, which csa2_layer_pattern cannot express"
+            )
         pattern[source] = "C"
     return "".join(pattern)
 
