@@ -75,9 +75,10 @@ def test_twin_executes_the_patchs_own_file():
     patch = load_series(ROOT / "patches")["megatron-bridge"].by_id()[PATCH_ID]
     hunk = patch.diff.split(f"--- /dev/null\n+++ b/{SOURCE}\n", 1)[1].split("\ndiff --git", 1)[0]
     added = "".join(line[1:] + "\n" for line in hunk.splitlines()[1:] if line.startswith("+"))
-    from dsv4flash.integrations.mbridge.patches import grouped_lora
+    from dsv4flash.integrations.mbridge.patches import deepseek_v41_bridge, grouped_lora
 
-    shipped = {SOURCE, grouped_lora.SOURCE}  # every file the megatron-bridge twins execute from _upstream/
+    v41 = {f"{deepseek_v41_bridge.FOLDER}/{leaf}.py" for leaf in ("__init__", *deepseek_v41_bridge.SUBMODULES)}
+    shipped = {SOURCE, grouped_lora.SOURCE, *v41}  # every file the megatron-bridge twins execute from _upstream/
     assert {str(p.relative_to(UPSTREAM_SOURCES)) for p in UPSTREAM_SOURCES.rglob("*.py")} == shipped
     assert added == (UPSTREAM_SOURCES / SOURCE).read_text(), f"{SOURCE}: the twin's copy differs from the patch"
 

@@ -1,0 +1,256 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Bridge for DeepSeek-V4.1 (``DeepseekV41ForCausalLM``) onto megatron-core's CSA2 attention and mHC layers.
+
+The release checkpoint uses the DeepSeek-V4 serialisation (``embed``, ``layers.N.attn.*``,
+``layers.N.ffn.*``, ``layers.N.hc_attn_*`` / ``hc_ffn_*``, ``norm``, ``head``) with a nested HF config
+(``text_config``, ``vision_config``). Unlike DeepSeek-V4 there is no ``hc_head_*``: the last layer collapses
+its streams with its MLP-site ``pre`` coefficients.
+
+Quantisation: dense weights are FP8 E4M3 over 32x32 blocks with UE8M0 scales (``quantization_config.
+weight_block_size``), routed experts MXFP4 (1x32, E8M0); other tensors are BF16 or FP32. Import decodes each
+``.weight``/``.scale`` pair with that block size; export re-encodes with the checkpoint's scale geometry
+and casts the other tensors back to their stored dtype.
+
+Covered: the text decoder, every CSA2 layer kind the release uses (window-only S, compressing F, compressing
+and pooling C, re-indexing I, reusing R) and YaRN on compressed layers. Not covered yet: Engram layers, the
+vision tower and aligner, draft (MTP) layers; such configs are refused with an error naming the field.
+"""
+
+from typing import Any, Dict, Mapping
+
+import torch
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+from megatron.bridge.models.conversion import quantization_utils
+from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
+from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge, WeightConversionTask
+from megatron.bridge.models.conversion.param_mapping import (
+    ColumnParallelMapping,
+    GatedMLPMapping,
+    ReplicatedMapping,
+    RowParallelMapping,
+)
+from megatron.bridge.models.deepseek_v41.deepseek_v41_provider import (
+    DeepSeekV41ModelProvider,
+    csa2_layer_pattern_from_hf,
+)
+
+
+def _field(config: Any, key: str, default: Any = None) -> Any:
+    """``key`` of a config given as a PretrainedConfig or a plain dict."""
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def _text_config(hf_config: Any) -> Any:
+    return _field(hf_config, "text_config") or hf_config
+
+
+def _block_size(hf_config: Any) -> int:
+    """FP8 block edge of the checkpoint (``quantization_config.weight_block_size``), square blocks only."""
+    block = _field(_field(hf_config, "quantization_config") or {}, "weight_block_size") or [32, 32]
+    if len(block) != 2 or block[0] != block[1]:
+        raise ValueError(f"quantization_config.weight_block_size: expected square blocks, got {block}")
+    return int(block[0])
+
+
+def _use_mxfp4_export(hf_param: str, weight: torch.Tensor, source_scale: torch.Tensor) -> bool:
+    """Routed experts are packed MXFP4; every other scaled weight is FP8."""
+    if ".ffn.experts." not in hf_param:
+        return False
+    return quantization_utils.is_mxfp4_e2m1_scale_geometry(weight, source_scale)
+
+
+def provider_kwargs_from_hf(hf_config: Any) -> Dict[str, Any]:
+    """``DeepSeekV41ModelProvider`` fields for a V4.1 HF config (raises on parts this bridge cannot build)."""
+    text = _text_config(hf_config)
+    vision_layers = _field(_field(hf_config, "vision_config") or {}, "num_hidden_layers", 0) or 0
+    if vision_layers:
+        raise ValueError(
+            f"vision_config.num_hidden_layers is {vision_layers}: the V4.1 vision tower and aligner are not "
+            "mapped by this bridge yet (text-only checkpoints: 0)"
+        )
+    if _field(text, "engram_layer_ids"):
+        raise ValueError("text_config.engram_layer_ids: Engram layers are not mapped by this bridge yet")
+    if _field(text, "num_nextn_predict_layers", 0):
+        raise ValueError("text_config.num_nextn_predict_layers: draft (MTP) layers are not mapped by this bridge")
+    if _field(text, "n_shared_experts", 1) != 1:
+        raise ValueError("text_config.n_shared_experts: V4.1 has exactly one shared expert")
+    if not _field(text, "norm_topk_prob", True) and _field(text, "num_experts_per_tok") > 1:
+        raise ValueError("text_config.norm_topk_prob: megatron-core's sqrtsoftplus router normalises the top-k")
+    num_layers = _field(text, "num_hidden_layers")
+    ratios = [int(r) for r in _field(text, "compress_ratios")][:num_layers]
+    pattern = csa2_layer_pattern_from_hf(
+        ratios,
+        _field(text, "kv_source_layer_ids"),
+        _field(text, "index_source_layer_ids"),
+        _field(text, "candidate_source_layer_id"),
+    )
+    kwargs = dict(
+        num_layers=num_layers,
+        hidden_size=_field(text, "hidden_size"),
+        num_attention_heads=_field(text, "num_attention_heads"),
+        num_query_groups=_field(text, "num_key_value_heads", 1),
+        kv_channels=_field(text, "head_dim"),
+        ffn_hidden_size=_field(text, "moe_intermediate_size"),
+        layernorm_epsilon=_field(text, "rms_norm_eps"),
+        init_method_std=_field(text, "initializer_range", 0.02),
+        vocab_size=_field(text, "vocab_size"),
+        seq_length=_field(text, "max_position_embeddings"),
+        share_embeddings_and_output_weights=bool(_field(text, "tie_word_embeddings", False)),
+        activation_func_clamp_value=_field(text, "swiglu_limit"),
+        num_moe_experts=_field(text, "n_routed_experts"),
+        moe_ffn_hidden_size=_field(text, "moe_intermediate_size"),
+        moe_shared_expert_intermediate_size=_field(text, "moe_intermediate_size"),
+        moe_router_topk=_field(text, "num_experts_per_tok"),
+        moe_router_topk_scaling_factor=_field(text, "routed_scaling_factor"),
+        hc_mult=_field(text, "hc_mult"),
+        hc_sinkhorn_iters=_field(text, "hc_sinkhorn_iters"),
+        hc_eps=_field(text, "hc_eps"),
+        csa2_layer_pattern=pattern,
+        csa2_compress_ratios=ratios,
+        csa2_q_lora_rank=_field(text, "q_lora_rank"),
+        csa2_rope_dim=_field(text, "qk_rope_head_dim"),
+        csa2_rope_theta=float(_field(text, "rope_theta")),
+        csa2_compressed_rope_theta=float(_field(text, "compress_rope_theta")),
+        csa2_sliding_window=_field(text, "sliding_window"),
+        csa2_output_groups=_field(text, "o_groups"),
+        csa2_output_rank=_field(text, "o_lora_rank"),
+        csa2_index_heads=_field(text, "index_n_heads"),
+        csa2_index_head_dim=_field(text, "index_head_dim"),
+        csa2_index_topk=_field(text, "index_topk"),
+        csa2_candidate_block_size=_field(text, "candidate_block_size"),
+        csa2_candidate_topk_blocks=_field(text, "candidate_topk_blocks"),
+    )
+    rope_scaling = _field(text, "rope_scaling") or {}
+    factor = float(_field(rope_scaling, "factor", 1.0) or 1.0)
+    if factor != 1.0:  # the release applies YaRN on every compressed layer
+        kwargs.update(
+            csa2_yarn_factor=factor,
+            csa2_yarn_original_max_position_embeddings=_field(rope_scaling, "original_max_position_embeddings"),
+            csa2_yarn_beta_fast=float(_field(rope_scaling, "beta_fast", 32)),
+            csa2_yarn_beta_slow=float(_field(rope_scaling, "beta_slow", 1)),
+        )
+    return kwargs
+
+
+@MegatronModelBridge.register_bridge(
+    source="DeepseekV41ForCausalLM",
+    target=GPTModel,
+    provider=DeepSeekV41ModelProvider,
+    model_type="deepseek_v41",
+)
+class DeepSeekV41Bridge(MegatronModelBridge):
+    """Megatron Bridge for DeepSeek-V4.1 release checkpoints (text decoder, see the module docstring)."""
+
+    def provider_bridge(self, hf_pretrained) -> DeepSeekV41ModelProvider:
+        """A provider for the checkpoint's config, in the checkpoint's wide dtype (bf16) unless overridden."""
+        hf_config = hf_pretrained.config
+        dtype = _field(hf_config, "dtype") or _field(hf_config, "torch_dtype") or torch.bfloat16
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        return DeepSeekV41ModelProvider(
+            **provider_kwargs_from_hf(hf_config),
+            params_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+        )
+
+    def maybe_modify_loaded_hf_weight(self, hf_param, hf_state_dict: Mapping[str, torch.Tensor]):
+        """Decode FP8 (block size from the config) and MXFP4 ``.weight``/``.scale`` pairs to fp32."""
+        return quantization_utils.maybe_dequantize_hf_quantized_weight(
+            hf_param, hf_state_dict, dtype=torch.float32, block_size=_block_size(self.hf_config)
+        )
+
+    def maybe_modify_converted_hf_weight(
+        self,
+        task: WeightConversionTask,
+        converted_weights_dict: Dict[str, torch.Tensor],
+        hf_state_dict: Mapping[str, torch.Tensor],
+    ) -> Dict[str, torch.Tensor]:
+        """Re-encode scaled weights like the source checkpoint; cast the others to their stored dtype."""
+        if task.weight_dtype is not None:
+            return converted_weights_dict
+        result = quantization_utils.requantize_hf_weight_scale_pairs(
+            converted_weights_dict,
+            hf_state_dict,
+            use_mxfp4=_use_mxfp4_export,
+            block_size=_block_size(self.hf_config),
+        )
+        for name, tensor in result.items():
+            source = hf_state_dict[name] if name in hf_state_dict else None
+            if source is not None and source.dtype != tensor.dtype and source.is_floating_point():
+                if tensor.dtype not in (torch.float8_e4m3fn, torch.int8):
+                    result[name] = tensor.to(source.dtype)
+        return result
+
+    def mapping_registry(self) -> MegatronMappingRegistry:
+        """Release names <-> megatron-core CSA2 / mHC / MoE parameter names."""
+        layer = "decoder.layers.*"
+        attn = f"{layer}.self_attention"
+        mappings = [
+            ColumnParallelMapping("embedding.word_embeddings.weight", "embed.weight"),
+            ColumnParallelMapping("output_layer.weight", "head.weight"),
+            ReplicatedMapping("decoder.final_layernorm.weight", "norm.weight"),
+            ReplicatedMapping(f"{layer}.input_layernorm.weight", "layers.*.attn_norm.weight"),
+            ReplicatedMapping(f"{layer}.pre_mlp_layernorm.weight", "layers.*.ffn_norm.weight"),
+            # Attention: the latent side is replicated, query heads and output groups are split.
+            ReplicatedMapping(f"{attn}.linear_q_down.weight", "layers.*.attn.wq_a.weight"),
+            ReplicatedMapping(f"{attn}.q_layernorm.weight", "layers.*.attn.q_norm.weight"),
+            ColumnParallelMapping(f"{attn}.linear_q_up.weight", "layers.*.attn.wq_b.weight"),
+            ReplicatedMapping(f"{attn}.linear_kv.weight", "layers.*.attn.wkv.weight"),
+            ReplicatedMapping(f"{attn}.kv_layernorm.weight", "layers.*.attn.kv_norm.weight"),
+            ColumnParallelMapping(f"{attn}.linear_o_group_proj.weight", "layers.*.attn.wo_a.weight"),
+            RowParallelMapping(f"{attn}.linear_proj.weight", "layers.*.attn.wo_b.weight"),
+            ColumnParallelMapping(f"{attn}.attn_sink", "layers.*.attn.attn_sink"),
+            ReplicatedMapping(f"{attn}.compressor.linear_kv.weight", "layers.*.attn.compressor.wkv.weight"),
+            ReplicatedMapping(f"{attn}.compressor.linear_gate.weight", "layers.*.attn.compressor.wgate.weight"),
+            ReplicatedMapping(f"{attn}.compressor.norm.weight", "layers.*.attn.compressor.norm.weight"),
+            ReplicatedMapping(f"{attn}.indexer.linear_q.weight", "layers.*.attn.indexer.wq_b.weight"),
+            ReplicatedMapping(f"{attn}.indexer.linear_weights.weight", "layers.*.attn.indexer.weights_proj.weight"),
+            ReplicatedMapping(f"{attn}.indexer.linear_k.weight", "layers.*.attn.indexer.wk.weight"),
+            ReplicatedMapping(f"{attn}.indexer.k_layernorm.weight", "layers.*.attn.indexer.k_norm.weight"),
+            # MoE: router with its selection-only expert bias, routed and shared SwiGLU experts.
+            ReplicatedMapping(f"{layer}.mlp.router.weight", "layers.*.ffn.gate.weight"),
+            ReplicatedMapping(f"{layer}.mlp.router.expert_bias", "layers.*.ffn.gate.bias"),
+            GatedMLPMapping(
+                megatron_param=f"{layer}.mlp.experts.local_experts.*.linear_fc1.weight",
+                gate="layers.*.ffn.experts.*.w1.weight",
+                up="layers.*.ffn.experts.*.w3.weight",
+            ),
+            RowParallelMapping(
+                f"{layer}.mlp.experts.local_experts.*.linear_fc2.weight", "layers.*.ffn.experts.*.w2.weight"
+            ),
+            GatedMLPMapping(
+                megatron_param=f"{layer}.mlp.experts.linear_fc1.weight*",
+                gate="layers.*.ffn.experts.*.w1.weight",
+                up="layers.*.ffn.experts.*.w3.weight",
+            ),
+            RowParallelMapping(f"{layer}.mlp.experts.linear_fc2.weight*", "layers.*.ffn.experts.*.w2.weight"),
+            GatedMLPMapping(
+                megatron_param=f"{layer}.mlp.shared_experts.linear_fc1.weight",
+                gate="layers.*.ffn.shared_experts.w1.weight",
+                up="layers.*.ffn.shared_experts.w3.weight",
+            ),
+            RowParallelMapping(
+                f"{layer}.mlp.shared_experts.linear_fc2.weight", "layers.*.ffn.shared_experts.w2.weight"
+            ),
+        ]
+        # mHC coefficients of the attention and MLP sites (fn, base, scale), replicated.
+        for site, hf_site in (("self_attn_hyper_connection", "hc_attn"), ("mlp_hyper_connection", "hc_ffn")):
+            for part in ("fn", "base", "scale"):
+                mappings.append(ReplicatedMapping(f"{layer}.{site}.{part}", f"layers.*.{hf_site}_{part}"))
+        return MegatronMappingRegistry(*mappings)

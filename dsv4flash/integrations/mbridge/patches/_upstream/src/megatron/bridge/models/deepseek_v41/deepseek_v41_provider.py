@@ -1,0 +1,109 @@
+# Copyright (c) 2026, NVIDIA CORPORATION.  All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+
+"""Model provider for DeepSeek-V4.1 on megatron-core's CSA2 attention and mHC layers.
+
+The provider is a ``GPTModelProvider`` whose config is megatron-core's ``CSA2TransformerConfig``: every
+layer is a ``HyperConnectionTransformerLayer`` with ``CSA2SelfAttention`` and a MoE MLP, built from
+``get_csa2_decoder_block_spec``. ``csa2_layer_pattern_from_hf`` turns the V4.1 per-layer fields
+(``compress_ratios``, ``kv_source_layer_ids``, ``index_source_layer_ids``, ``candidate_source_layer_id``)
+into megatron-core's layer pattern.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.csa2_layer_specs import get_csa2_decoder_block_spec
+from megatron.core.transformer.experimental_attention_variant.csa2 import CSA2TransformerConfig
+
+from megatron.bridge.models.gpt_provider import GPTModelProvider
+
+
+def csa2_layer_pattern_from_hf(
+    compress_ratios: Sequence[int],
+    kv_source_layer_ids: Sequence[int],
+    index_source_layer_ids: Sequence[int],
+    candidate_source_layer_id: Optional[int],
+) -> str:
+    """One ``csa2_layer_pattern`` character per decoder layer of a V4.1 config.
+
+    Ratio 0 is window-only (S); a kv source compresses keys (F); an index source that is not a kv source
+    re-runs the indexer (I); any other compressed layer reuses the top-k below it (R). The candidate
+    source compresses keys and builds the candidate pool that later index layers search (C); while no
+    later layer reads that pool it is an F layer.
+    """
+    kv, index = set(kv_source_layer_ids), set(index_source_layer_ids)
+    pattern = []
+    for layer, ratio in enumerate(compress_ratios):
+        if ratio == 0:
+            pattern.append("S")
+        elif layer in kv:
+            pattern.append("F")
+        elif layer in index:
+            pattern.append("I")
+        else:
+            pattern.append("R")
+    source = candidate_source_layer_id
+    if source is not None and any(i > source for i in index - kv):
+        if source not in kv:
+            raise ValueError(f"candidate_source_layer_id {source} must be a kv source ({sorted(kv)})")
+        later_kv = [k for k in kv if k > source]
+        if later_kv and any(i > min(later_kv) for i in index - kv):
+            # megatron-core's pool ends at the next F layer; V4.1 index layers would keep searching it.
+            raise ValueError(
+                f"candidate_source_layer_id {source}: index layers after kv source {min(later_kv)} search "
+                "its candidate pool, which csa2_layer_pattern cannot express"
+            )
+        pattern[source] = "C"
+    return "".join(pattern)
+
+
+@dataclass
+class DeepSeekV41ModelProvider(CSA2TransformerConfig, GPTModelProvider):
+    """DeepSeek-V4.1 text decoder: CSA2 attention and a sqrtsoftplus MoE on mHC residual streams."""
+
+    transformer_layer_spec: Callable = get_csa2_decoder_block_spec
+    position_embedding_type: str = "none"  # RoPE is applied inside CSA2 attention
+    normalization: str = "RMSNorm"
+    gated_linear_unit: bool = True
+    activation_func: Callable = F.silu
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    num_query_groups: int = 1
+    share_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+    moe_router_score_function: str = "sqrtsoftplus"
+    moe_router_enable_expert_bias: bool = True
+    moe_router_bias_update_rate: float = 0.0  # the released selection biases are kept
+    moe_router_dtype: str = "fp32"
+    moe_router_load_balancing_type: str = "none"
+    moe_aux_loss_coeff: float = 0.0
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_grouped_gemm: bool = False
+
+    # The fused SwiGLU kernels ignore activation_func_clamp_value (the V4.1 swiglu_limit).
+    bias_activation_fusion: bool = False
+    bias_dropout_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    apply_rope_fusion: bool = False
+    gradient_accumulation_fusion: bool = False
+    persist_layer_norm: bool = False
+    cross_entropy_loss_fusion: bool = False
+
+    params_dtype: torch.dtype = torch.bfloat16
+    bf16: bool = True
