@@ -257,6 +257,9 @@ def verl_overrides(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str
     if eng.publish:  # keys veRL does not know: read by dsv4flash's LifecycleRayPPOTrainer
         added.update({"trainer.dsv4flash_lifecycle.store": run_relative(f"{output_dir}/lifecycle", output_dir),
                       "trainer.dsv4flash_lifecycle.policy": cfg.recipe})
+        if eng.sync_check_prompt:  # read by LifecycleRayPPOTrainer (dsv4flash.integrations.verl.sync_check)
+            added.update({"trainer.dsv4flash_sync_check.prompt": eng.sync_check_prompt,
+                          "trainer.dsv4flash_sync_check.tolerance": eng.sync_check_tolerance})
     return ([f"{key}={hydra_value(value)}" for key, value in settings.items()]
             + [f"+{key}={hydra_value(value)}" for key, value in added.items()] + list(eng.overrides))
 
