@@ -99,6 +99,7 @@ class LifecycleRayPPOTrainer(RayPPOTrainer):
 
     def _update_actor(self, batch):
         self._rollouts = rollout_records(batch, self.global_steps)
+        print(f"dsv4flash lifecycle: updating the actor at step {self.global_steps}", flush=True)
         output = super()._update_actor(batch)
         lr = (output.meta_info.get("metrics") or {}).get("actor/lr")
         self._lr = float(np.mean(lr)) if lr is not None else None
