@@ -177,7 +177,10 @@ def _states_keep_torch_adam_step(original: Callable[..., Any]) -> Callable[..., 
 
     A resharding load (`fully_reshardable`, `dp_reshardable`) hands over the main param and the moments;
     torch's Adam also holds a per-parameter `step` tensor, which `load_state_dict` restores from the param
-    groups, and the stock setter indexed the loaded tensors by it (`KeyError: 'step'`).
+    groups, and the stock setter indexed the loaded tensors by it (`KeyError: 'step'`). In fp32 (no separate
+    master copy) the main param is a view of the model's own leaf parameter, so the stock in-place copy
+    raises "a view of a leaf Variable that requires grad is being used in an in-place operation" (a veRL
+    fp32 run resumed from its checkpoint): the copy is a load, made under `torch.no_grad()`.
     """
 
     @functools.wraps(original)
@@ -187,7 +190,8 @@ def _states_keep_torch_adam_step(original: Callable[..., Any]) -> Callable[..., 
             main_param = self.optimizer.param_groups[group_index]["params"][group_order]
             kept = {k: v for k, v in self.optimizer.state[main_param].items() if k not in tensors}
             tensors = {**kept, **tensors}  # a kept tensor is copied onto itself
-        return original(self, model_param, tensors)
+        with torch.no_grad():
+            return original(self, model_param, tensors)
 
     return set_states
 

@@ -225,6 +225,11 @@ class VerlEngine:
     # publish every checkpointed step (save_freq) as a lifecycle revision of policy <recipe> in <output_dir>/lifecycle
     # and resume from that policy's head (dsv4flash.integrations.verl.lifecycle_trainer; legacy trainer only)
     publish: bool = False
+    # with publish: after every weight sync the rollout's log-probs of this fixed prompt are compared with the
+    # actor's (metric weight_sync/fixed_prompt_logprob_diff_max; null: no check); a difference above the
+    # tolerance stops the run (null: measure only; fp32 runs: 1e-5)
+    sync_check_prompt: Optional[str] = "q : 12 + 30 = ? a : 42"
+    sync_check_tolerance: Optional[float] = None
     # raw veRL overrides appended last (Hydra override grammar against verl's ppo_trainer)
     overrides: list[str] = field(default_factory=list)
 

@@ -27,6 +27,8 @@ from dsv4flash.train.preflight import RunConfigError
 VERL_CONFIG_MODULE = "verl.trainer.config"
 VERL_PRIMARY = "ppo_trainer"
 MODEL_PATH_UNSET = "<unset: model.hf_path>"
+# veRL's agent-loop manager hook: per-trajectory rollout seeds (dsv4flash.integrations.verl.trajectory_seed)
+AGENT_LOOP_MANAGER = "dsv4flash.integrations.verl.trajectory_seed.TrajectorySeededAgentLoopManager"
 
 
 class VerlConfigError(RunConfigError):
@@ -233,6 +235,9 @@ def verl_overrides(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": eng.micro_batch_size_per_gpu,
         "actor_rollout_ref.rollout.load_format": "auto",
         "actor_rollout_ref.rollout.dtype": eng.dtype,
+        # every request sampled with its trajectory's seed (step, prompt index, group member, rollout.seed), so
+        # a run restarted from a checkpoint samples what the uninterrupted run sampled (AGENT_LOOP_MANAGER below)
+        "actor_rollout_ref.rollout.seed": cfg.seed,
     }
     if eng.max_length is not None:
         settings.update({
@@ -248,10 +253,14 @@ def verl_overrides(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str
     settings.update(_rollout_correction(algo))
     settings.update(_lora_settings(cfg, mcfg))
     settings.update(_dataset_class(cfg))
-    added = {}
+    # in veRL's AgentLoopConfig dataclass, not in its yaml: added
+    added = {"actor_rollout_ref.rollout.agent.agent_loop_manager_class": AGENT_LOOP_MANAGER}
     if eng.publish:  # keys veRL does not know: read by dsv4flash's LifecycleRayPPOTrainer
-        added = {"trainer.dsv4flash_lifecycle.store": run_relative(f"{output_dir}/lifecycle", output_dir),
-                 "trainer.dsv4flash_lifecycle.policy": cfg.recipe}
+        added.update({"trainer.dsv4flash_lifecycle.store": run_relative(f"{output_dir}/lifecycle", output_dir),
+                      "trainer.dsv4flash_lifecycle.policy": cfg.recipe})
+        if eng.sync_check_prompt:  # read by LifecycleRayPPOTrainer (dsv4flash.integrations.verl.sync_check)
+            added.update({"trainer.dsv4flash_sync_check.prompt": eng.sync_check_prompt,
+                          "trainer.dsv4flash_sync_check.tolerance": eng.sync_check_tolerance})
     return ([f"{key}={hydra_value(value)}" for key, value in settings.items()]
             + [f"+{key}={hydra_value(value)}" for key, value in added.items()] + list(eng.overrides))
 

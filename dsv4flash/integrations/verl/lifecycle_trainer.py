@@ -7,7 +7,9 @@ config and `lifecycle_task_runner()` as `run_ppo`'s task runner (`dsv4flash.trai
   * `_save_checkpoint`: veRL's own save, then `publish.publish_step` (adapter, trainer-state blob, scheduler and
     data position, rollout records; atomic through dsv4flash.lifecycle);
   * `_load_checkpoint`: with `resume_mode` auto, the policy head's step folder is written back from its blob and
-    veRL resumes from it, so the revision, not whatever veRL left on disk, is where a restarted run continues.
+    veRL resumes from it, so the revision, not whatever veRL left on disk, is where a restarted run continues;
+  * after every weight sync (`checkpoint_manager.update_weights`), with `trainer.dsv4flash_sync_check` set, the
+    fixed-prompt check (`sync_check`): its metric joins the step's actor metrics.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import numpy as np
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
+from dsv4flash.integrations.verl import sync_check
 from dsv4flash.integrations.verl.publish import STEP_PREFIX, publish_step, restore_step
 
 CONFIG_KEY = "dsv4flash_lifecycle"
@@ -65,12 +68,42 @@ class LifecycleRayPPOTrainer(RayPPOTrainer):
                                  {"engine": "verl", "base": str(self.config.actor_rollout_ref.model.path)})
         self._rollouts: list[dict[str, Any]] = []
         self._lr: float | None = None
+        self._actor_output = None  # this step's update output, until the sync after it adds its check metric
+        check = self.config.trainer.get(sync_check.CONFIG_KEY)
+        self._check = dict(check) if check and check.get("prompt") else None
+        self._check_ids: list[int] | None = None
+
+    def init_workers(self):
+        super().init_workers()
+        if self._check is not None:
+            self._check_ids = sync_check.fixed_prompt_ids(self.tokenizer, str(self._check["prompt"]))
+            update = self.checkpoint_manager.update_weights
+
+            def update_weights_then_check(*args, **kwargs):
+                out = update(*args, **kwargs)
+                self._after_sync()
+                return out
+
+            self.checkpoint_manager.update_weights = update_weights_then_check
+
+    def _after_sync(self) -> None:
+        """Score the fixed prompt on rollout and actor; the metric goes to the step whose update was synced."""
+        diff = sync_check.measure(self, self._check_ids)
+        tolerance = self._check.get("tolerance")
+        where = f"after the sync at step {self.global_steps}"
+        print(f"dsv4flash sync check: {sync_check.METRIC}:{diff:.3e} {where}")
+        sync_check.check(diff, None if tolerance is None else float(tolerance), where)
+        if self._actor_output is not None:
+            self._actor_output.meta_info.setdefault("metrics", {})[sync_check.METRIC] = [diff]
+            self._actor_output = None
 
     def _update_actor(self, batch):
         self._rollouts = rollout_records(batch, self.global_steps)
+        print(f"dsv4flash lifecycle: updating the actor at step {self.global_steps}", flush=True)
         output = super()._update_actor(batch)
         lr = (output.meta_info.get("metrics") or {}).get("actor/lr")
         self._lr = float(np.mean(lr)) if lr is not None else None
+        self._actor_output = output
         return output
 
     def _checkpoint_root(self) -> str:
