@@ -24,8 +24,12 @@ weight_block_size``), routed experts MXFP4 (1x32, E8M0); other tensors are BF16 
 ``.weight``/``.scale`` pair with that block size; export re-encodes with the checkpoint's scale geometry
 and casts the other tensors back to their stored dtype.
 
+Engram tables (``layers.N.engram.embed``) are FP8 with one E8M0 scale per row and 32 columns; at release size
+they hold ~384 M rows, so import reads and decodes them ``ENGRAM_ROWS_PER_READ`` rows at a time
+(``StateDict.load_rows``).
+
 Covered: the text decoder, every CSA2 layer kind the release uses (window-only S, compressing F, compressing
-and pooling C, re-indexing I, reusing R) and YaRN on compressed layers. Not covered yet: Engram layers, the
+and pooling C, re-indexing I, reusing R), YaRN on compressed layers and Engram layers. Not covered yet: the
 vision tower and aligner, draft (MTP) layers; such configs are refused with an error naming the field.
 """
 
@@ -46,6 +50,19 @@ from megatron.bridge.models.conversion.param_mapping import (
 from megatron.bridge.models.deepseek_v41.deepseek_v41_provider import (
     DeepSeekV41ModelProvider,
     csa2_layer_pattern_from_hf,
+)
+
+
+ENGRAM_ROWS_PER_READ = 1 << 16
+ENGRAM_FIELDS = (
+    "engram_layer_ids",
+    "engram_num_embeddings",
+    "engram_max_ngram_size",
+    "engram_vocab_size",
+    "engram_n_heads",
+    "engram_head_dim",
+    "engram_pad_token_id",
+    "engram_compressed_vocab_size",
 )
 
 
@@ -84,8 +101,6 @@ def provider_kwargs_from_hf(hf_config: Any) -> Dict[str, Any]:
             f"vision_config.num_hidden_layers is {vision_layers}: the V4.1 vision tower and aligner are not "
             "mapped by this bridge yet (text-only checkpoints: 0)"
         )
-    if _field(text, "engram_layer_ids"):
-        raise ValueError("text_config.engram_layer_ids: Engram layers are not mapped by this bridge yet")
     if _field(text, "num_nextn_predict_layers", 0):
         raise ValueError("text_config.num_nextn_predict_layers: draft (MTP) layers are not mapped by this bridge")
     if _field(text, "n_shared_experts", 1) != 1:
@@ -136,6 +151,11 @@ def provider_kwargs_from_hf(hf_config: Any) -> Dict[str, Any]:
         csa2_candidate_block_size=_field(text, "candidate_block_size"),
         csa2_candidate_topk_blocks=_field(text, "candidate_topk_blocks"),
     )
+    if _field(text, "engram_layer_ids"):
+        for name in ENGRAM_FIELDS:
+            if _field(text, name) is None:
+                raise ValueError(f"text_config.{name}: required with engram_layer_ids")
+            kwargs[name] = list(_field(text, name)) if name.endswith(("_ids", "_embeddings")) else _field(text, name)
     rope_scaling = _field(text, "rope_scaling") or {}
     factor = float(_field(rope_scaling, "factor", 1.0) or 1.0)
     if factor != 1.0:  # the release applies YaRN on every compressed layer
@@ -146,6 +166,26 @@ def provider_kwargs_from_hf(hf_config: Any) -> Dict[str, Any]:
             csa2_yarn_beta_slow=float(_field(rope_scaling, "beta_slow", 1)),
         )
     return kwargs
+
+
+def _load_engram_table(hf_param: str, hf_state_dict) -> torch.Tensor:
+    """An Engram table decoded to fp32, ``ENGRAM_ROWS_PER_READ`` FP8 rows and their scales per read."""
+    scale_key = hf_param[: -len(".weight")] + ".scale"
+    rows, cols = hf_state_dict.get_shape(hf_param)
+    scale_shape = tuple(hf_state_dict.get_shape(scale_key))
+    if len(scale_shape) != 2 or scale_shape[0] != rows or cols % scale_shape[1]:
+        raise ValueError(f"{scale_key}: expected one scale per row and column tile of {hf_param} "
+                         f"[{rows}, {cols}], got {list(scale_shape)}")
+    table = torch.empty(rows, cols, dtype=torch.float32)
+    for start in range(0, rows, ENGRAM_ROWS_PER_READ):
+        stop = min(start + ENGRAM_ROWS_PER_READ, rows)
+        table[start:stop] = quantization_utils.dequantize_fp8_e4m3fn_with_scale(
+            hf_state_dict.load_rows(hf_param, start, stop),
+            hf_state_dict.load_rows(scale_key, start, stop),
+            name=hf_param,
+            dtype=torch.float32,
+        )
+    return table
 
 
 @MegatronModelBridge.register_bridge(
@@ -171,6 +211,9 @@ class DeepSeekV41Bridge(MegatronModelBridge):
 
     def maybe_modify_loaded_hf_weight(self, hf_param, hf_state_dict: Mapping[str, torch.Tensor]):
         """Decode FP8 (block size from the config) and MXFP4 ``.weight``/``.scale`` pairs to fp32."""
+        is_table = isinstance(hf_param, str) and hf_param.endswith(".engram.embed.weight")
+        if is_table and hasattr(hf_state_dict, "load_rows"):  # a plain mapping is decoded whole below
+            return _load_engram_table(hf_param, hf_state_dict)
         return quantization_utils.maybe_dequantize_hf_quantized_weight(
             hf_param, hf_state_dict, dtype=torch.float32, block_size=_block_size(self.hf_config)
         )
@@ -249,6 +292,9 @@ class DeepSeekV41Bridge(MegatronModelBridge):
                 f"{layer}.mlp.shared_experts.linear_fc2.weight", "layers.*.ffn.shared_experts.w2.weight"
             ),
         ]
+        # Engram: table, wkv projection and the gate's q/k weights, replicated.
+        for part in ("embed.weight", "wkv.weight", "q_weight", "k_weight"):
+            mappings.append(ReplicatedMapping(f"{layer}.engram.{part}", f"layers.*.engram.{part}"))
         # mHC coefficients of the attention and MLP sites (fn, base, scale), replicated.
         for site, hf_site in (("self_attn_hyper_connection", "hc_attn"), ("mlp_hyper_connection", "hc_ffn")):
             for part in ("fn", "base", "scale"):
