@@ -311,13 +311,30 @@ def test_autobridge_import_gives_the_reference_logits(patch_form, v41, mcore_par
 
 
 @pytest.mark.slow
-def test_export_is_bit_exact_to_the_release_tensors(patch_form, v41, mcore_parallel, checkpoint):
+def test_export_is_bit_exact_to_the_release_tensors(patch_form, v41, mcore_parallel, checkpoint, monkeypatch):
+    from megatron.bridge.models.deepseek_v41 import deepseek_v41_bridge
+    from megatron.bridge.models.hf_pretrained.row_chunks import TensorRowChunk
+
     from dsv4flash.quant_plan import QuantRole, quant_role
 
     release = checkpoint
     auto = _bridge(release)
     model = _model(auto)
-    exported = dict(auto.export_hf_weights([model], show_progress=False))
+    monkeypatch.setattr(deepseek_v41_bridge, "ENGRAM_ROWS_PER_READ", 100)
+    exported, chunks = {}, []
+    for name, tensor in auto.export_hf_weights([model], show_progress=False):
+        if isinstance(tensor, TensorRowChunk):  # Engram tables stream as row chunks, weight then scale
+            chunks.append((name, tensor.start, tensor.rows.shape[0], tensor.total))
+            assert tensor.start == (exported[name].shape[0] if name in exported else 0), name
+            exported[name] = tensor.rows if tensor.start == 0 else torch.cat([exported[name], tensor.rows])
+        else:
+            exported[name] = tensor
+    want = []
+    for layer, total in ((1, 462), (4, 630)) if "engram" in release.parent.name else ():
+        for start in range(0, total, 100):
+            for part in ("weight", "scale"):
+                want.append((f"layers.{layer}.engram.embed.{part}", start, min(100, total - start), total))
+    assert chunks == want
     stored = _stored(release)
     assert exported.keys() == stored.keys()
     roles = set()

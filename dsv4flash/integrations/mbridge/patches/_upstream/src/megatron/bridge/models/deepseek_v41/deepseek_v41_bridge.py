@@ -26,31 +26,34 @@ and casts the other tensors back to their stored dtype.
 
 Engram tables (``layers.N.engram.embed``) are FP8 with one E8M0 scale per row and 32 columns; at release size
 they hold ~384 M rows, so import reads and decodes them ``ENGRAM_ROWS_PER_READ`` rows at a time
-(``StateDict.load_rows``).
+(``StateDict.load_rows``), and export yields them as ``TensorRowChunk``s of ``ENGRAM_ROWS_PER_READ`` rows (each
+weight chunk, then its scale chunk), which ``SafeTensorsStateSource.save_generator`` spools to the shard.
 
 Covered: the text decoder, every CSA2 layer kind the release uses (window-only S, compressing F, compressing
 and pooling C, re-indexing I, reusing R), YaRN on compressed layers and Engram layers. Not covered yet: the
 vision tower and aligner, draft (MTP) layers; such configs are refused with an error naming the field.
 """
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from megatron.bridge.models.conversion import quantization_utils
 from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
-from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge, WeightConversionTask
+from megatron.bridge.models.conversion.model_bridge import HFWeightTuple, MegatronModelBridge, WeightConversionTask
 from megatron.bridge.models.conversion.param_mapping import (
     ColumnParallelMapping,
     GatedMLPMapping,
     ReplicatedMapping,
     RowParallelMapping,
 )
+from megatron.bridge.models.conversion.utils import unwrap_model
 from megatron.bridge.models.deepseek_v41.deepseek_v41_provider import (
     DeepSeekV41ModelProvider,
     csa2_layer_pattern_from_hf,
 )
+from megatron.bridge.models.hf_pretrained.row_chunks import TensorRowChunk
 
 
 ENGRAM_ROWS_PER_READ = 1 << 16
@@ -239,6 +242,59 @@ class DeepSeekV41Bridge(MegatronModelBridge):
                 if tensor.dtype not in (torch.float8_e4m3fn, torch.int8):
                     result[name] = tensor.to(source.dtype)
         return result
+
+    def stream_weights_megatron_to_hf(
+        self,
+        megatron_model,
+        hf_pretrained,
+        cpu: bool = True,
+        show_progress: bool = True,
+        conversion_tasks: Optional[List[Optional[WeightConversionTask]]] = None,
+        merge_adapter_weights: bool = True,
+        weight_dtype: Optional[torch.dtype] = None,
+    ) -> Iterable[Union[HFWeightTuple, tuple]]:
+        """The stock export stream; Engram tables follow it as ``(name, TensorRowChunk)`` pairs."""
+        if conversion_tasks is None:
+            models = megatron_model if isinstance(megatron_model, list) else [megatron_model]
+            conversion_tasks = self.build_conversion_tasks(
+                hf_pretrained, unwrap_model(models), weight_dtype=weight_dtype
+            )
+        elif weight_dtype is not None:
+            raise ValueError("weight_dtype is not supported with caller-supplied conversion_tasks")
+        is_table = lambda t: t is not None and str(t.mapping.hf_param).endswith(".engram.embed.weight")  # noqa: E731
+        tables = [task for task in conversion_tasks if is_table(task)]
+        yield from super().stream_weights_megatron_to_hf(
+            megatron_model,
+            hf_pretrained,
+            cpu=cpu,
+            show_progress=show_progress,
+            conversion_tasks=[task for task in conversion_tasks if not is_table(task)],
+            merge_adapter_weights=merge_adapter_weights,
+        )
+        hf_state_dict = hf_pretrained.state if hasattr(hf_pretrained, "state") else {}
+        for task in tables:
+            yield from self._engram_table_chunks(task, hf_state_dict)
+
+    def _engram_table_chunks(self, task: WeightConversionTask, hf_state_dict) -> Iterable[tuple]:
+        """One Engram table re-encoded ``ENGRAM_ROWS_PER_READ`` rows at a time against the source's scale rows."""
+        name = task.mapping.hf_param
+        scale_key = name[: -len(".weight")] + ".scale"
+        table = task.param_weight.detach()
+        total = table.shape[0]
+        encode = task.weight_dtype is None and scale_key in hf_state_dict
+        stored = task.weight_dtype is None and name in hf_state_dict
+        stored_dtype = hf_state_dict.load_rows(name, 0, 1).dtype if stored else None  # one row, not the table
+        for start in range(0, total, ENGRAM_ROWS_PER_READ):
+            stop = min(start + ENGRAM_ROWS_PER_READ, total)
+            rows = table[start:stop].float().cpu()
+            if encode:  # per-row scales: a chunk's encoding is the whole table's, row for row
+                like = hf_state_dict.load_rows(scale_key, start, stop)
+                q_rows, scale_rows = quantization_utils.quantize_fp8_e4m3fn_like_scale(rows, like, name=name)
+                yield name, TensorRowChunk(q_rows, start, total)
+                yield scale_key, TensorRowChunk(scale_rows, start, total)
+            else:
+                dtype = task.weight_dtype or stored_dtype or table.dtype
+                yield name, TensorRowChunk(rows.to(dtype), start, total)
 
     def mapping_registry(self) -> MegatronMappingRegistry:
         """Release names <-> megatron-core CSA2 / mHC / MoE parameter names."""

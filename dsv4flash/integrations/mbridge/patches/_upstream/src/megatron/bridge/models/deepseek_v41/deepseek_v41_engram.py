@@ -113,8 +113,17 @@ class EngramHasher(nn.Module):
             )
         self.token_map = token_map.to(self.primes.device)
 
-    def forward(self, input_ids: torch.Tensor, image_mask: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
-        """input_ids [b, s] (+ image_mask [b, s]: positions outside n-grams) -> per layer [s, b, orders*heads]."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        image_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> List[torch.Tensor]:
+        """input_ids [b, s] (+ image_mask [b, s]: positions outside n-grams) -> per layer [s, b, orders*heads].
+
+        ``position_ids`` [b, s] marks packed documents: a position that does not increase starts a new one, and
+        no n-gram reaches back across it.
+        """
         if self.token_map is None:
             raise RuntimeError(
                 "EngramHasher has no token map: engram_compressed_vocab_size differs from vocab_size, "
@@ -123,13 +132,18 @@ class EngramHasher(nn.Module):
         ids = self.token_map[input_ids.long()]  # [b, s]
         pad = self.token_map[self.pad_token_id]
         b, s = ids.shape
-        pos = torch.arange(s, device=ids.device)
+        pos = torch.arange(s, device=ids.device).expand(b, s)
+        doc_start = torch.zeros_like(pos)
+        if position_ids is not None and s > 1:
+            new_doc = torch.ones_like(pos, dtype=torch.bool)
+            new_doc[:, 1:] = position_ids[:, 1:] <= position_ids[:, :-1]
+            doc_start = torch.cummax(torch.where(new_doc, pos, doc_start), dim=1).values
         dead = torch.zeros_like(ids, dtype=torch.bool) if image_mask is None else image_mask.bool()
         blocked = torch.zeros_like(dead)
         lookback = []
-        for back in range(self.max_ngram):  # once the look-back crosses the start or an image token: pad
-            src = (pos - back).clamp_min(0).expand(b, s)
-            blocked = blocked | (pos < back) | dead.gather(1, src)
+        for back in range(self.max_ngram):  # once the look-back crosses a document start or image token: pad
+            src = (pos - back).clamp_min(0)
+            blocked = blocked | (pos - back < doc_start) | dead.gather(1, src)
             lookback.append(torch.where(blocked, pad, ids.gather(1, src)))
         tokens = torch.stack(lookback, dim=-1)  # [b, s, ngram]
         rows = []
@@ -257,16 +271,17 @@ def attach_engram(model: GPTModel) -> EngramHasher:
     """Give ``model`` an ``engram_hasher``; each forward hashes ``input_ids`` for its Engram layers.
 
     The forward also takes ``token_types`` [b, s] (``>= 0`` marks image-span tokens, which join no n-gram and
-    take no Engram delta).
+    take no Engram delta); its ``position_ids`` mark packed documents, which no n-gram crosses.
     """
     model.engram_hasher = EngramHasher(model.config)
     layers = [layer for layer in model.decoder.layers if isinstance(layer, EngramHyperConnectionTransformerLayer)]
 
     def hash_input_ids(module, args, kwargs):
         input_ids = args[0] if args else kwargs["input_ids"]
+        position_ids = args[1] if len(args) > 1 else kwargs.get("position_ids")
         token_types = kwargs.pop("token_types", None)
         image_mask = None if token_types is None else token_types >= 0
-        rows = module.engram_hasher(input_ids, image_mask)
+        rows = module.engram_hasher(input_ids, image_mask, position_ids)
         token_mask = None if image_mask is None else ~image_mask.transpose(0, 1)
         for layer in layers:
             layer.engram_inputs = (rows[layer.engram_index], token_mask)
