@@ -287,6 +287,9 @@ def test_autobridge_import_gives_the_reference_logits(patch_form, v41, mcore_par
     rows = {f"layers.{i}.engram.embed.weight": n for i, n in zip((1, 4), (462, 630))}
     if "engram" in release.parent.name:
         assert engram_layers == [1, 4]
+        for i in engram_layers:  # the tables live in DSV41-MCORE-006's pinned-host row-lookup table
+            table = model.decoder.layers[i].engram.embed
+            assert type(table).__name__ == "HostRowLookupTable" and table.weight.host_resident
         # Every table row came through DSV41-MBRIDGE-003's row reads, 100 rows (and their scales) at a time.
         for name, total in rows.items():
             got = [(a, b) for key, a, b in reads if key == name]

@@ -174,6 +174,8 @@ class Engram(MegatronModule):
 
     Parameters (release names): ``embed.weight`` [rows, head_dim], ``wkv.weight`` [(n + 1) * h, cols * head_dim]
     (n keys of h, stream-major, then the value), ``q_weight`` / ``k_weight`` [n, h]. Replicated on every rank.
+    With ``engram_host_resident_table`` the table is megatron-core's ``HostRowLookupTable`` (pinned host memory,
+    deduplicated row gather to the device, sparse host gradient, left alone by DDP and ``.cuda()``).
     """
 
     def __init__(self, config, engram_index: int, **kwargs):
@@ -183,12 +185,19 @@ class Engram(MegatronModule):
         self.num_rows = config.engram_num_embeddings[engram_index]
         self.eps = config.layernorm_epsilon
         dtype = config.params_dtype
-        self.embed = EngramTable(self.num_rows, config.engram_head_dim, dtype)
+        if config.engram_host_resident_table:  # ~100 GB per table at release size: pinned host rows
+            from megatron.core.models.common.embeddings.host_embedding import HostRowLookupTable
+
+            init = config.init_method if config.perform_initialization else (lambda weight: None)
+            self.embed = HostRowLookupTable(self.num_rows, config.engram_head_dim, dtype=dtype, init_method=init)
+        else:
+            self.embed = EngramTable(self.num_rows, config.engram_head_dim, dtype)
         self.wkv = nn.Linear(self.cols * config.engram_head_dim, (self.n + 1) * self.h, bias=False, dtype=dtype)
         self.q_weight = nn.Parameter(torch.ones(self.n, self.h, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(self.n, self.h, dtype=dtype))
         if config.perform_initialization:
-            config.init_method(self.embed.weight)
+            if not config.engram_host_resident_table:
+                config.init_method(self.embed.weight)
             config.init_method(self.wkv.weight)
 
     def forward(
@@ -197,7 +206,7 @@ class Engram(MegatronModule):
         """streams [s, b, n, h], row_ids [s, b, cols], token_mask [s, b] (False: no delta) -> [s, b, n, h]."""
         if row_ids.numel() and (int(row_ids.min()) < 0 or int(row_ids.max()) >= self.num_rows):
             raise ValueError(f"Engram: row ids must lie in [0, {self.num_rows})")
-        rows = self.embed(row_ids)  # [s, b, cols, head_dim]
+        rows = self.embed(row_ids)  # [s, b, cols, head_dim], on the device of row_ids
         kv = self.wkv(rows.flatten(-2).to(self.wkv.weight.dtype))  # [s, b, (n + 1) * h]
         keys, value = kv.split([self.n * self.h, self.h], dim=-1)
         k = keys.float().unflatten(-1, (self.n, self.h))  # [s, b, n, h]

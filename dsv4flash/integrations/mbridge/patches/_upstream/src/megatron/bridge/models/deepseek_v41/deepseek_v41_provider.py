@@ -128,6 +128,7 @@ class DeepSeekV41ModelProvider(CSA2TransformerConfig, GPTModelProvider):
     engram_head_dim: int = 256
     engram_pad_token_id: int = 2
     engram_compressed_vocab_size: int = 99092
+    engram_host_resident_table: bool = True  # megatron-core's HostRowLookupTable; False: an ordinary parameter
 
     def provide(self, pre_process=None, post_process=None, vp_stage=None) -> GPTModel:
         """The GPTModel; with Engram layers, its forward hashes ``input_ids`` (and takes ``token_types``)."""
