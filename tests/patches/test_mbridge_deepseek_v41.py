@@ -9,8 +9,9 @@ experts, BF16/FP32 tensors) written here; the oracles are the reference `dsv4fla
 with the same decoded tensors (logits) and the checkpoint's own stored bytes (export).
 
 The checkpoint is the tiny config's text decoder with its release layer plan (SSFRFRCRIRIR: layer 6 compresses
-keys and builds the candidate pool layers 8 and 10 search) and YaRN (factor 4) on compressed layers, without
-Engram layers and vision tower, which the bridge does not map yet. The reference runs with its three fake-quant
+keys and builds the candidate pool layers 8 and 10 search) and YaRN (factor 4) on compressed layers, without the
+vision tower, which the bridge does not map yet; once without and once with its Engram layers (1 and 4: per-row
+FP8 tables imported in row chunks through DSV41-MBRIDGE-003's `load_rows`). The reference runs with its three fake-quant
 points off (window KV FP8, compressed KV FP4, index Q/K FP4): megatron-core's CSA2 has none.
 """
 
@@ -34,10 +35,11 @@ if importlib.util.find_spec("megatron.bridge") is None:  # not imported here: it
     pytest.skip("megatron-bridge is not installed", allow_module_level=True)
 
 
-def text_only_config(dst: Path) -> Path:
-    """The tiny release config without Engram layers and vision tower (see the module docstring) -> config.json."""
+def text_only_config(dst: Path, engram: bool = False) -> Path:
+    """The tiny release config without vision tower (and without Engram layers unless `engram`) -> config.json."""
     data = _tiny()
-    data["text_config"].update(engram_layer_ids=[], engram_num_embeddings=[])
+    if not engram:
+        data["text_config"].update(engram_layer_ids=[], engram_num_embeddings=[])
     data["vision_config"]["num_hidden_layers"] = 0
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(json.dumps(data, indent=1))
@@ -85,17 +87,26 @@ def v41():
                 twin.revert()
 
 
-@pytest.fixture(scope="module")
-def release(tmp_path_factory) -> Path:
-    """The text-only tiny config as a 2-shard release checkpoint."""
+def _release_checkpoint(root: Path, engram: bool) -> Path:
     from dsv4flash_bridge.synthetic import write_release_checkpoint
 
     from dsv4flash.integrations.mbridge import save_release
 
-    root = tmp_path_factory.mktemp("v41")
-    config = text_only_config(root / "cfg")
+    config = text_only_config(root / "cfg", engram=engram)
     synthetic = write_release_checkpoint(root / "synthetic", config, shards=2, seed=5)
     return save_release(_canonical_scales(synthetic), synthetic, root / "release")
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory) -> Path:
+    """The text-only tiny config without Engram layers as a 2-shard release checkpoint."""
+    return _release_checkpoint(tmp_path_factory.mktemp("v41"), engram=False)
+
+
+@pytest.fixture(scope="module")
+def engram_release(tmp_path_factory) -> Path:
+    """The text-only tiny config with its Engram layers (1 and 4) as a 2-shard release checkpoint."""
+    return _release_checkpoint(tmp_path_factory.mktemp("v41_engram"), engram=True)
 
 
 def _canonical_scales(directory: Path):
@@ -105,12 +116,13 @@ def _canonical_scales(directory: Path):
     no other; the synthetic writer draws scales that are not all canonical. A block whose rounded amax lands on
     the next lower scale is re-encoded once more, until the stored bytes are a fixed point.
     """
-    from dsv4flash.quant_plan import QuantRole, quant_role, scale_name
+    from dsv4flash.quant_plan import quant_role, scale_name
     from dsv4flash_bridge import codecs
 
+    _QUANTIZED = _quantized_roles()
     stored = _stored(directory)
-    quantized = {n for n in stored if quant_role(n) in (QuantRole.DENSE_FP8, QuantRole.EXPERT_MXFP4)
-                 and not n.endswith(".scale") and scale_name(n) in stored}
+    quantized = {n for n in stored if quant_role(n) in _QUANTIZED and not n.endswith(".scale")
+                 and scale_name(n) in stored}
     for name in sorted(quantized):
         role = quant_role(name)
         q, s = stored[name], stored[scale_name(name)]
@@ -126,6 +138,12 @@ def _canonical_scales(directory: Path):
     for name, tensor in stored.items():
         if name not in done:
             yield name, tensor
+
+
+def _quantized_roles():
+    from dsv4flash.quant_plan import QuantRole
+
+    return (QuantRole.DENSE_FP8, QuantRole.EXPERT_MXFP4, QuantRole.ENGRAM_FP8)
 
 
 def _bridge(release: Path):
@@ -160,11 +178,11 @@ def _model(auto):
 
 
 def _decoded(directory: Path) -> dict[str, torch.Tensor]:
-    from dsv4flash.quant_plan import QuantRole, quant_role, scale_name
+    from dsv4flash.quant_plan import quant_role, scale_name
     from dsv4flash_bridge import codecs, mapping
     from dsv4flash_bridge.sharded import CheckpointReader
 
-    quantized = (QuantRole.DENSE_FP8, QuantRole.EXPERT_MXFP4)
+    quantized = _quantized_roles()
     with CheckpointReader(directory) as ckpt:
         names = set(ckpt.names())
         return {n: (codecs.decode(quant_role(n), ckpt.read(n), ckpt.read(scale_name(n)), name=n)
@@ -198,7 +216,7 @@ def test_twin_runs_the_patch_files_byte_for_byte():
     added = {rel: text for rel, text in added_files(PATCH_ID).items() if rel.startswith(twin.FOLDER)}
     shipped = {str(p.relative_to(twin.UPSTREAM_SOURCES)): p.read_text()
                for p in (twin.UPSTREAM_SOURCES / twin.FOLDER).glob("*.py")}
-    assert shipped == added and len(added) == 3
+    assert shipped == added and len(added) == 4
 
 
 def test_release_fields_become_the_csa2_layer_pattern(patch_form, v41, release):
@@ -225,22 +243,60 @@ def test_release_parts_not_mapped_yet_are_refused_by_name(patch_form, v41):
     tiny = _tiny()
     errors = []
     for edit, field in ((lambda c: None, "vision_config.num_hidden_layers"),
-                        (lambda c: c["vision_config"].update(num_hidden_layers=0), "text_config.engram_layer_ids")):
+                        (lambda c: c["vision_config"].update(num_hidden_layers=0), None),
+                        (lambda c: c["text_config"].update(num_nextn_predict_layers=1),
+                         "text_config.num_nextn_predict_layers"),
+                        (lambda c: c["text_config"].update(num_nextn_predict_layers=0, engram_head_dim=None),
+                         "text_config.engram_head_dim")):
         edit(tiny)
+        if field is None:  # the tiny text decoder with its Engram layers is mapped
+            assert provider_kwargs_from_hf(tiny)["engram_layer_ids"] == [1, 4]
+            continue
         with pytest.raises(ValueError, match=field.replace(".", r"\.")) as info:
             provider_kwargs_from_hf(tiny)
         errors.append(str(info.value))
     patch_form.record("errors", errors)
 
 
+@pytest.fixture(params=["text", "engram"])
+def checkpoint(request):
+    """Each release checkpoint: without and with Engram layers."""
+    return request.getfixturevalue("release" if request.param == "text" else "engram_release")
+
+
 @pytest.mark.slow
-def test_autobridge_import_gives_the_reference_logits(patch_form, v41, mcore_parallel, release, monkeypatch):
+def test_autobridge_import_gives_the_reference_logits(patch_form, v41, mcore_parallel, checkpoint, monkeypatch):
+    from megatron.bridge.models.deepseek_v41 import deepseek_v41_bridge
+    from megatron.bridge.models.deepseek_v41.deepseek_v41_engram import EngramHyperConnectionTransformerLayer
+    from megatron.bridge.models.hf_pretrained.state import StateDict
+
     from dsv4flash.model import attention, indexer
     from dsv4flash.model.transformer import Transformer
 
+    release = checkpoint
+    reads = []
+    load_rows = StateDict.load_rows
+    monkeypatch.setattr(deepseek_v41_bridge, "ENGRAM_ROWS_PER_READ", 100)
+    monkeypatch.setattr(StateDict, "load_rows", lambda self, key, start, stop: (
+        reads.append((key, start, stop)), load_rows(self, key, start, stop))[1])
     auto = _bridge(release)
     model = _model(auto)
     assert [layer.self_attention.role.kind for layer in model.decoder.layers] == list("SSFRFRCRIRIR")
+    engram_layers = [i for i, layer in enumerate(model.decoder.layers)
+                     if isinstance(layer, EngramHyperConnectionTransformerLayer)]
+    rows = {f"layers.{i}.engram.embed.weight": n for i, n in zip((1, 4), (462, 630))}
+    if "engram" in release.parent.name:
+        assert engram_layers == [1, 4]
+        for i in engram_layers:  # the tables live in DSV41-MCORE-006's pinned-host row-lookup table
+            table = model.decoder.layers[i].engram.embed
+            assert type(table).__name__ == "HostRowLookupTable" and table.weight.host_resident
+        # Every table row came through DSV41-MBRIDGE-003's row reads, 100 rows (and their scales) at a time.
+        for name, total in rows.items():
+            got = [(a, b) for key, a, b in reads if key == name]
+            assert got == [(a, min(a + 100, total)) for a in range(0, total, 100)], name
+            assert [(a, b) for key, a, b in reads if key == name.replace(".weight", ".scale")] == got
+    else:
+        assert engram_layers == [] and not reads
     assert model.config.csa2_yarn_factor == 4
     reference = Transformer(str(release / "config.json"), seed=None)
     reference.load_state_dict(_decoded(release), strict=True)
@@ -258,12 +314,30 @@ def test_autobridge_import_gives_the_reference_logits(patch_form, v41, mcore_par
 
 
 @pytest.mark.slow
-def test_export_is_bit_exact_to_the_release_tensors(patch_form, v41, mcore_parallel, release):
+def test_export_is_bit_exact_to_the_release_tensors(patch_form, v41, mcore_parallel, checkpoint, monkeypatch):
+    from megatron.bridge.models.deepseek_v41 import deepseek_v41_bridge
+    from megatron.bridge.models.hf_pretrained.row_chunks import TensorRowChunk
+
     from dsv4flash.quant_plan import QuantRole, quant_role
 
+    release = checkpoint
     auto = _bridge(release)
     model = _model(auto)
-    exported = dict(auto.export_hf_weights([model], show_progress=False))
+    monkeypatch.setattr(deepseek_v41_bridge, "ENGRAM_ROWS_PER_READ", 100)
+    exported, chunks = {}, []
+    for name, tensor in auto.export_hf_weights([model], show_progress=False):
+        if isinstance(tensor, TensorRowChunk):  # Engram tables stream as row chunks, weight then scale
+            chunks.append((name, tensor.start, tensor.rows.shape[0], tensor.total))
+            assert tensor.start == (exported[name].shape[0] if name in exported else 0), name
+            exported[name] = tensor.rows if tensor.start == 0 else torch.cat([exported[name], tensor.rows])
+        else:
+            exported[name] = tensor
+    want = []
+    for layer, total in ((1, 462), (4, 630)) if "engram" in release.parent.name else ():
+        for start in range(0, total, 100):
+            for part in ("weight", "scale"):
+                want.append((f"layers.{layer}.engram.embed.{part}", start, min(100, total - start), total))
+    assert chunks == want
     stored = _stored(release)
     assert exported.keys() == stored.keys()
     roles = set()
@@ -273,4 +347,5 @@ def test_export_is_bit_exact_to_the_release_tensors(patch_form, v41, mcore_paral
         assert torch.equal(got.view(torch.uint8), tensor.view(torch.uint8)), name
         roles.add(quant_role(name))
     assert {QuantRole.DENSE_FP8, QuantRole.EXPERT_MXFP4} <= roles
+    assert (QuantRole.ENGRAM_FP8 in roles) == ("engram" in release.parent.name)
     patch_form.record("exported_names", sorted(exported))

@@ -7,7 +7,9 @@ has no `hc_head_*`, a nested config and 32x32 FP8 blocks.
 How: the patch's new package `megatron.bridge.models.deepseek_v41` (`DeepSeekV41Bridge`, registered for
 `DeepseekV41ForCausalLM` on import, and `DeepSeekV41ModelProvider`) is executed from the patch's own files
 (`_upstream/`, byte-identical). It needs megatron-core's CSA2 / mHC modules with layer kind C and YaRN
-(DSV41-MCORE-011 on -008 / -010; their twins on a stock megatron-core) and DSV41-MBRIDGE-002's `block_size`.
+(DSV41-MCORE-011 on -008 / -010; their twins on a stock megatron-core), DSV41-MBRIDGE-002's `block_size` and
+DSV41-MBRIDGE-003's `StateDict.load_rows` (Engram tables are imported in row chunks) and DSV41-MCORE-006's
+`HostRowLookupTable` (the Engram tables' default storage).
 The project's own `DSV41Bridge` registers for the
 same architecture; whichever registers last serves `AutoBridge` (megatron-bridge's dispatch rule).
 """
@@ -25,11 +27,13 @@ PATCH_ID = "DSV41-MBRIDGE-001"
 UPSTREAM_SOURCES = Path(__file__).resolve().parent / "_upstream"
 PACKAGE = "megatron.bridge.models.deepseek_v41"
 FOLDER = "src/megatron/bridge/models/deepseek_v41"
-SUBMODULES = ("deepseek_v41_provider", "deepseek_v41_bridge")  # import order: the bridge imports the provider
+SUBMODULES = ("deepseek_v41_engram", "deepseek_v41_provider", "deepseek_v41_bridge")  # import order: dependencies first
 TOUCHES = (f"{PACKAGE}.deepseek_v41_bridge.DeepSeekV41Bridge",
            f"{PACKAGE}.deepseek_v41_bridge.provider_kwargs_from_hf",
            f"{PACKAGE}.deepseek_v41_provider.DeepSeekV41ModelProvider",
-           f"{PACKAGE}.deepseek_v41_provider.csa2_layer_pattern_from_hf")
+           f"{PACKAGE}.deepseek_v41_provider.csa2_layer_pattern_from_hf",
+           f"{PACKAGE}.deepseek_v41_engram.EngramHasher",
+           f"{PACKAGE}.deepseek_v41_engram.EngramHyperConnectionTransformerLayer")
 
 
 def upstream_has_deepseek_v41() -> bool:
@@ -54,9 +58,10 @@ def _load(patcher: Patcher, name: str, path: Path, package: bool = False):
     touches=TOUCHES,
     gate="DSV4FLASH_MBRIDGE_DEEPSEEK_V41",
     tests=("tests/patches/test_mbridge_deepseek_v41.py",),
-    # The patch's `Depends-On: DSV41-MBRIDGE-002, megatron-lm/DSV41-MCORE-011`: FP8 block size, and megatron-core's
-    # CSA2 / mHC modules with layer kind C and YaRN (on a stock megatron-core, their twins).
-    depends_on=("DSV41-MBRIDGE-002", "DSV41-MCORE-011"),
+    # The patch's `Depends-On: DSV41-MBRIDGE-002, DSV41-MBRIDGE-003, megatron-lm/DSV41-MCORE-006, -011`: FP8 block
+    # size, row-chunked reads (Engram tables), megatron-core's host row-lookup table (Engram tables) and CSA2 / mHC
+    # modules with layer kind C and YaRN (on a stock megatron-core, their twins).
+    depends_on=("DSV41-MBRIDGE-002", "DSV41-MBRIDGE-003", "DSV41-MCORE-006", "DSV41-MCORE-011"),
     upstream_has_it=upstream_has_deepseek_v41,
 )
 def install(patcher: Patcher) -> None:

@@ -24,28 +24,48 @@ weight_block_size``), routed experts MXFP4 (1x32, E8M0); other tensors are BF16 
 ``.weight``/``.scale`` pair with that block size; export re-encodes with the checkpoint's scale geometry
 and casts the other tensors back to their stored dtype.
 
+Engram tables (``layers.N.engram.embed``) are FP8 with one E8M0 scale per row and 32 columns; at release size
+they hold ~384 M rows, so import reads and decodes them ``ENGRAM_ROWS_PER_READ`` rows at a time
+(``StateDict.load_rows``), and export yields them as ``TensorRowChunk``s of ``ENGRAM_ROWS_PER_READ`` rows (each
+weight chunk, then its scale chunk), which ``SafeTensorsStateSource.save_generator`` spools to the shard.
+
 Covered: the text decoder, every CSA2 layer kind the release uses (window-only S, compressing F, compressing
-and pooling C, re-indexing I, reusing R) and YaRN on compressed layers. Not covered yet: Engram layers, the
+and pooling C, re-indexing I, reusing R), YaRN on compressed layers and Engram layers. Not covered yet: the
 vision tower and aligner, draft (MTP) layers; such configs are refused with an error naming the field.
 """
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
 
 import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from megatron.bridge.models.conversion import quantization_utils
 from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRegistry
-from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge, WeightConversionTask
+from megatron.bridge.models.conversion.model_bridge import HFWeightTuple, MegatronModelBridge, WeightConversionTask
 from megatron.bridge.models.conversion.param_mapping import (
     ColumnParallelMapping,
     GatedMLPMapping,
     ReplicatedMapping,
     RowParallelMapping,
 )
+from megatron.bridge.models.conversion.utils import unwrap_model
 from megatron.bridge.models.deepseek_v41.deepseek_v41_provider import (
     DeepSeekV41ModelProvider,
     csa2_layer_pattern_from_hf,
+)
+from megatron.bridge.models.hf_pretrained.row_chunks import TensorRowChunk
+
+
+ENGRAM_ROWS_PER_READ = 1 << 16
+ENGRAM_FIELDS = (
+    "engram_layer_ids",
+    "engram_num_embeddings",
+    "engram_max_ngram_size",
+    "engram_vocab_size",
+    "engram_n_heads",
+    "engram_head_dim",
+    "engram_pad_token_id",
+    "engram_compressed_vocab_size",
 )
 
 
@@ -84,8 +104,6 @@ def provider_kwargs_from_hf(hf_config: Any) -> Dict[str, Any]:
             f"vision_config.num_hidden_layers is {vision_layers}: the V4.1 vision tower and aligner are not "
             "mapped by this bridge yet (text-only checkpoints: 0)"
         )
-    if _field(text, "engram_layer_ids"):
-        raise ValueError("text_config.engram_layer_ids: Engram layers are not mapped by this bridge yet")
     if _field(text, "num_nextn_predict_layers", 0):
         raise ValueError("text_config.num_nextn_predict_layers: draft (MTP) layers are not mapped by this bridge")
     if _field(text, "n_shared_experts", 1) != 1:
@@ -136,6 +154,11 @@ def provider_kwargs_from_hf(hf_config: Any) -> Dict[str, Any]:
         csa2_candidate_block_size=_field(text, "candidate_block_size"),
         csa2_candidate_topk_blocks=_field(text, "candidate_topk_blocks"),
     )
+    if _field(text, "engram_layer_ids"):
+        for name in ENGRAM_FIELDS:
+            if _field(text, name) is None:
+                raise ValueError(f"text_config.{name}: required with engram_layer_ids")
+            kwargs[name] = list(_field(text, name)) if name.endswith(("_ids", "_embeddings")) else _field(text, name)
     rope_scaling = _field(text, "rope_scaling") or {}
     factor = float(_field(rope_scaling, "factor", 1.0) or 1.0)
     if factor != 1.0:  # the release applies YaRN on every compressed layer
@@ -146,6 +169,26 @@ def provider_kwargs_from_hf(hf_config: Any) -> Dict[str, Any]:
             csa2_yarn_beta_slow=float(_field(rope_scaling, "beta_slow", 1)),
         )
     return kwargs
+
+
+def _load_engram_table(hf_param: str, hf_state_dict) -> torch.Tensor:
+    """An Engram table decoded to fp32, ``ENGRAM_ROWS_PER_READ`` FP8 rows and their scales per read."""
+    scale_key = hf_param[: -len(".weight")] + ".scale"
+    rows, cols = hf_state_dict.get_shape(hf_param)
+    scale_shape = tuple(hf_state_dict.get_shape(scale_key))
+    if len(scale_shape) != 2 or scale_shape[0] != rows or cols % scale_shape[1]:
+        raise ValueError(f"{scale_key}: expected one scale per row and column tile of {hf_param} "
+                         f"[{rows}, {cols}], got {list(scale_shape)}")
+    table = torch.empty(rows, cols, dtype=torch.float32)
+    for start in range(0, rows, ENGRAM_ROWS_PER_READ):
+        stop = min(start + ENGRAM_ROWS_PER_READ, rows)
+        table[start:stop] = quantization_utils.dequantize_fp8_e4m3fn_with_scale(
+            hf_state_dict.load_rows(hf_param, start, stop),
+            hf_state_dict.load_rows(scale_key, start, stop),
+            name=hf_param,
+            dtype=torch.float32,
+        )
+    return table
 
 
 @MegatronModelBridge.register_bridge(
@@ -171,6 +214,9 @@ class DeepSeekV41Bridge(MegatronModelBridge):
 
     def maybe_modify_loaded_hf_weight(self, hf_param, hf_state_dict: Mapping[str, torch.Tensor]):
         """Decode FP8 (block size from the config) and MXFP4 ``.weight``/``.scale`` pairs to fp32."""
+        is_table = isinstance(hf_param, str) and hf_param.endswith(".engram.embed.weight")
+        if is_table and hasattr(hf_state_dict, "load_rows"):  # a plain mapping is decoded whole below
+            return _load_engram_table(hf_param, hf_state_dict)
         return quantization_utils.maybe_dequantize_hf_quantized_weight(
             hf_param, hf_state_dict, dtype=torch.float32, block_size=_block_size(self.hf_config)
         )
@@ -196,6 +242,59 @@ class DeepSeekV41Bridge(MegatronModelBridge):
                 if tensor.dtype not in (torch.float8_e4m3fn, torch.int8):
                     result[name] = tensor.to(source.dtype)
         return result
+
+    def stream_weights_megatron_to_hf(
+        self,
+        megatron_model,
+        hf_pretrained,
+        cpu: bool = True,
+        show_progress: bool = True,
+        conversion_tasks: Optional[List[Optional[WeightConversionTask]]] = None,
+        merge_adapter_weights: bool = True,
+        weight_dtype: Optional[torch.dtype] = None,
+    ) -> Iterable[Union[HFWeightTuple, tuple]]:
+        """The stock export stream; Engram tables follow it as ``(name, TensorRowChunk)`` pairs."""
+        if conversion_tasks is None:
+            models = megatron_model if isinstance(megatron_model, list) else [megatron_model]
+            conversion_tasks = self.build_conversion_tasks(
+                hf_pretrained, unwrap_model(models), weight_dtype=weight_dtype
+            )
+        elif weight_dtype is not None:
+            raise ValueError("weight_dtype is not supported with caller-supplied conversion_tasks")
+        is_table = lambda t: t is not None and str(t.mapping.hf_param).endswith(".engram.embed.weight")  # noqa: E731
+        tables = [task for task in conversion_tasks if is_table(task)]
+        yield from super().stream_weights_megatron_to_hf(
+            megatron_model,
+            hf_pretrained,
+            cpu=cpu,
+            show_progress=show_progress,
+            conversion_tasks=[task for task in conversion_tasks if not is_table(task)],
+            merge_adapter_weights=merge_adapter_weights,
+        )
+        hf_state_dict = hf_pretrained.state if hasattr(hf_pretrained, "state") else {}
+        for task in tables:
+            yield from self._engram_table_chunks(task, hf_state_dict)
+
+    def _engram_table_chunks(self, task: WeightConversionTask, hf_state_dict) -> Iterable[tuple]:
+        """One Engram table re-encoded ``ENGRAM_ROWS_PER_READ`` rows at a time against the source's scale rows."""
+        name = task.mapping.hf_param
+        scale_key = name[: -len(".weight")] + ".scale"
+        table = task.param_weight.detach()
+        total = table.shape[0]
+        encode = task.weight_dtype is None and scale_key in hf_state_dict
+        stored = task.weight_dtype is None and name in hf_state_dict
+        stored_dtype = hf_state_dict.load_rows(name, 0, 1).dtype if stored else None  # one row, not the table
+        for start in range(0, total, ENGRAM_ROWS_PER_READ):
+            stop = min(start + ENGRAM_ROWS_PER_READ, total)
+            rows = table[start:stop].float().cpu()
+            if encode:  # per-row scales: a chunk's encoding is the whole table's, row for row
+                like = hf_state_dict.load_rows(scale_key, start, stop)
+                q_rows, scale_rows = quantization_utils.quantize_fp8_e4m3fn_like_scale(rows, like, name=name)
+                yield name, TensorRowChunk(q_rows, start, total)
+                yield scale_key, TensorRowChunk(scale_rows, start, total)
+            else:
+                dtype = task.weight_dtype or stored_dtype or table.dtype
+                yield name, TensorRowChunk(rows.to(dtype), start, total)
 
     def mapping_registry(self) -> MegatronMappingRegistry:
         """Release names <-> megatron-core CSA2 / mHC / MoE parameter names."""
@@ -249,6 +348,9 @@ class DeepSeekV41Bridge(MegatronModelBridge):
                 f"{layer}.mlp.shared_experts.linear_fc2.weight", "layers.*.ffn.shared_experts.w2.weight"
             ),
         ]
+        # Engram: table, wkv projection and the gate's q/k weights, replicated.
+        for part in ("embed.weight", "wkv.weight", "q_weight", "k_weight"):
+            mappings.append(ReplicatedMapping(f"{layer}.engram.{part}", f"layers.*.engram.{part}"))
         # mHC coefficients of the attention and MLP sites (fn, base, scale), replicated.
         for site, hf_site in (("self_attn_hyper_connection", "hc_attn"), ("mlp_hyper_connection", "hc_ffn")):
             for part in ("fn", "base", "scale"):

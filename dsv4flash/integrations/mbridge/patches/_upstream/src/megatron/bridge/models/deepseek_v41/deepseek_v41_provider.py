@@ -16,20 +16,31 @@
 
 The provider is a ``GPTModelProvider`` whose config is megatron-core's ``CSA2TransformerConfig``: every
 layer is a ``HyperConnectionTransformerLayer`` with ``CSA2SelfAttention`` and a MoE MLP, built from
-``get_csa2_decoder_block_spec``. ``csa2_layer_pattern_from_hf`` turns the V4.1 per-layer fields
+``get_csa2_decoder_block_spec``; the layers in ``engram_layer_ids`` add their Engram lookup to the streams first
+(``deepseek_v41_engram``). ``csa2_layer_pattern_from_hf`` turns the V4.1 per-layer fields
 (``compress_ratios``, ``kv_source_layer_ids``, ``index_source_layer_ids``, ``candidate_source_layer_id``)
 into megatron-core's layer pattern.
 """
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.csa2_layer_specs import get_csa2_decoder_block_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.experimental_attention_variant.csa2 import CSA2TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from megatron.bridge.models.deepseek_v41.deepseek_v41_engram import attach_engram, with_engram_layers
 from megatron.bridge.models.gpt_provider import GPTModelProvider
+
+
+def get_deepseek_v41_decoder_block_spec(config: "DeepSeekV41ModelProvider") -> TransformerBlockSubmodules:
+    """The CSA2 / mHC block spec with Engram layers at ``config.engram_layer_ids``."""
+    block = get_csa2_decoder_block_spec(config)
+    block.layer_specs = with_engram_layers(block.layer_specs, config.engram_layer_ids)
+    return block
 
 
 def csa2_layer_pattern_from_hf(
@@ -75,7 +86,7 @@ def csa2_layer_pattern_from_hf(
 class DeepSeekV41ModelProvider(CSA2TransformerConfig, GPTModelProvider):
     """DeepSeek-V4.1 text decoder: CSA2 attention and a sqrtsoftplus MoE on mHC residual streams."""
 
-    transformer_layer_spec: Callable = get_csa2_decoder_block_spec
+    transformer_layer_spec: Callable = get_deepseek_v41_decoder_block_spec
     position_embedding_type: str = "none"  # RoPE is applied inside CSA2 attention
     normalization: str = "RMSNorm"
     gated_linear_unit: bool = True
@@ -107,3 +118,26 @@ class DeepSeekV41ModelProvider(CSA2TransformerConfig, GPTModelProvider):
 
     params_dtype: torch.dtype = torch.bfloat16
     bf16: bool = True
+
+    # Engram (0-based layer ids; one table of engram_num_embeddings[i] rows per layer).
+    engram_layer_ids: List[int] = field(default_factory=list)
+    engram_num_embeddings: List[int] = field(default_factory=list)
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 16000000
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int = 99092
+    engram_host_resident_table: bool = True  # megatron-core's HostRowLookupTable; False: an ordinary parameter
+
+    def provide(self, pre_process=None, post_process=None, vp_stage=None) -> GPTModel:
+        """The GPTModel; with Engram layers, its forward hashes ``input_ids`` (and takes ``token_types``)."""
+        if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
+            raise ValueError(
+                f"engram_num_embeddings has {len(self.engram_num_embeddings)} entries, engram_layer_ids "
+                f"{len(self.engram_layer_ids)}"
+            )
+        model = super().provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        if self.engram_layer_ids:
+            attach_engram(model)
+        return model
