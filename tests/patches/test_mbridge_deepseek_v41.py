@@ -31,8 +31,8 @@ PATCH_ID = "DSV41-MBRIDGE-001"
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = "DeepseekV41ForCausalLM"
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
-if importlib.util.find_spec("megatron.bridge") is None:  # not imported here: it needs the CPU shim first
-    pytest.skip("megatron-bridge is not installed", allow_module_level=True)
+# a test dependency (ci/install.sh test); not imported here: it needs the CPU shim first
+assert importlib.util.find_spec("megatron.bridge") is not None, "megatron-bridge is not installed"
 
 
 def text_only_config(dst: Path, engram: bool = False) -> Path:

@@ -22,7 +22,6 @@ from tests.patches.test_mcore_hyper_connection import added_files
 
 PATCH_ID = "DSV41-MCORE-011"
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
-pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, BATCH, HIDDEN = 12, 2, 32
