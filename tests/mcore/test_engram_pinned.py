@@ -414,3 +414,70 @@ def test_cpu_row_dequantize_matches_the_definition():
         got = dequantize_rows_e8m0(values, scales, dtype)
         assert got.shape == (3, 5, 64) and got.dtype == dtype
         assert torch.equal(got, want.to(dtype))
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.uint8, 8), (torch.float32, 2), (torch.bfloat16, 2), (torch.float16, 1),
+                                       (torch.float32, 3)])
+def test_element_view_gather_equals_the_plain_row_gather(dtype, dim):
+    """Rows of 1/2/4/8 bytes go through one integer element each (torch's element kernel): the same bits as the
+    plain row gather, into a fresh or a caller's buffer; other widths and non-contiguous tables keep the rows."""
+    from dsv4flash.integrations.mcore.host_table import element_view, index_rows
+
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randint(0, 255, (50, dim * torch.empty(0, dtype=dtype).element_size()), dtype=torch.uint8,
+                          generator=gen).view(dtype)
+    ids = torch.randint(0, 50, (77,), generator=gen)
+    elements = element_view(table)
+    width = dim * table.element_size()
+    assert (elements is None) == (width not in (1, 2, 4, 8))
+    if elements is not None:
+        assert elements.shape == (50,) and elements.data_ptr() == table.data_ptr()
+    assert element_view(table.t()) is None if dim > 1 else True  # a transposed view is not row-contiguous
+    want = torch.index_select(table, 0, ids).view(torch.uint8)
+    assert torch.equal(index_rows(table, ids).view(torch.uint8), want)
+    out = torch.empty(77, dim, dtype=dtype)
+    assert index_rows(table, ids.to(torch.int32), out=out).data_ptr() == out.data_ptr()
+    assert torch.equal(out.view(torch.uint8), want)
+
+
+@pytest.mark.parametrize("dtype,dim", [(torch.float8_e4m3fn, 64), (torch.float32, 2), (torch.float32, 64)])
+def test_host_gather_into_caller_buffers(dtype, dim):
+    """gather_stored(out=) on the host without dedup: one index_select per tensor into the caller's buffers,
+    which come back as they are; bit-equal to plain indexing; bad ids, id dtypes and buffers refused by name."""
+    from dsv4flash.integrations.mcore.host_table import HostTable
+
+    gen = torch.Generator().manual_seed(1)
+    rows = 300
+    table = HostTable.empty(rows, dim, dtype, name="layer 3 table")
+    table.weight.view(torch.uint8).copy_(torch.randint(0, 0x7F, table.weight.view(torch.uint8).shape,
+                                                       dtype=torch.uint8, generator=gen))
+    if table.fp8:
+        table.scale.copy_(torch.randint(0, 255, table.scale.shape, dtype=torch.uint8, generator=gen))
+    ids = torch.randint(0, rows, (5, 7, 3), generator=gen)
+    values = torch.full((5, 7, 3, dim), 3).to(dtype)
+    scales = torch.full((5, 7, 3, dim // 32), 9, dtype=torch.uint8) if table.fp8 else None
+    for row_ids in (ids, ids.to(torch.int32)):
+        got = table.gather_stored(row_ids, out=(values, scales))
+        assert got[0] is values and got[1] is scales
+        assert torch.equal(values.view(torch.uint8), table.weight[ids].view(torch.uint8))
+        if table.fp8:
+            assert torch.equal(scales, table.scale[ids])
+        stats = table.stats
+        assert (stats.requested, stats.unique, stats.bytes_moved) == (105, 105, 105 * table.row_bytes)
+        deduped = table.gather_stored(row_ids, dedup=True)  # the deduplicating path gives the same bits
+        assert torch.equal(deduped[0].view(torch.uint8), values.view(torch.uint8))
+        assert table.stats.unique == torch.unique(ids).numel()
+    for bad in (torch.tensor([[0, rows]]), torch.tensor([[-2, 3]], dtype=torch.int32)):
+        outs = (values[:1, 0, :2].clone(), scales[:1, 0, :2].clone() if table.fp8 else None)
+        with pytest.raises(ValueError, match=rf"layer 3 table: row ids must lie in \[0, {rows}\), got range "
+                                             rf"\[{int(bad.min())}, {int(bad.max())}\]"):
+            table.gather_stored(bad, out=outs)
+    before = values.clone()
+    with pytest.raises(ValueError, match="layer 3 table: row ids must be int32/int64, got torch.int16"):
+        table.gather_stored(ids.to(torch.int16), out=(values, scales))
+    if table.fp8:  # a wrong second buffer is refused before the first one is written
+        with pytest.raises(ValueError, match=r"layer 3 table: out must be a contiguous torch.uint8 \[5, 7, 3, 2\]"):
+            table.gather_stored(torch.zeros_like(ids), out=(values, scales[..., :1]))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        table.gather_stored(torch.zeros_like(ids), out=(values.transpose(0, 1), scales))
+    assert torch.equal(values.view(torch.uint8), before.view(torch.uint8))
