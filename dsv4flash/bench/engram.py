@@ -302,7 +302,7 @@ def _plot(report: BenchReport, limit_ratios: list[float], path: Path) -> None:
     hist.hist([min(max(r, lo), hi) for r in limit_ratios], bins=40, range=(lo, hi), color="#1f77b4")
     hist.axvline(median, color="black", label=f"median {median:.3f}")
     hist.axvline(0.9, color="#d62728", linestyle="--", label="target 0.9")
-    hist.set_xlabel("t_limit / t_gather_stored per paired round")
+    hist.set_xlabel(f"t_limit / t_gather_stored per paired round (outside {lo}-{hi}: edge bins)", fontsize=8)
     hist.set_ylabel("rounds")
     hist.legend(fontsize=7)
     fig.tight_layout()
