@@ -111,7 +111,7 @@ def _megatron_session() -> Iterator[str]:
     on_gpu = torch.cuda.is_available()
     redirect = contextlib.nullcontext()
     if not on_gpu:  # the CPU development mode's megatron-core redirect (never active with a GPU)
-        from dsv4flash.mcore_cpu_redirect import cuda_redirect
+        from dsv4flash.cpu_mode.mcore_redirect import cuda_redirect
 
         redirect = cuda_redirect()
     from megatron.core import parallel_state

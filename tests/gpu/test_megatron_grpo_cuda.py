@@ -35,11 +35,11 @@ def release(tmp_path_factory):
 
 
 def test_megatron_actor_grpo_update_on_cuda_matches_cpu(release, tmp_path, tiny_cfg):
-    from dsv4flash import mbridge_cpu_import
+    from dsv4flash.cpu_mode import mbridge_import
 
     # megatron-bridge 0.6.2 imports Transformer Engine unconditionally and the image has none: the same import
     # shim as on CPU (every TE class raises if used; the local backend uses none).
-    mbridge_cpu_import.install()
+    mbridge_import.install()
     torch.manual_seed(1234)
     with single_gpu_megatron():
         gpu = step.grpo_step(release, "cuda")

@@ -168,11 +168,11 @@ def grpo_step(release: str | Path, device: str) -> GrpoStepResult:
 
 def cpu_run(release: str | Path) -> GrpoStepResult:
     """`grpo_step` on the CPU in this process: megatron-bridge import shims, CUDA redirect, one gloo rank."""
-    from dsv4flash import mbridge_cpu_import
+    from dsv4flash.cpu_mode import mbridge_import
     from tests._threads import single_thread
     from tests.mcore_cpu import parallel
 
-    mbridge_cpu_import.install()
+    mbridge_import.install()
     with single_thread(), parallel.model_parallel(seed=1234):
         return grpo_step(release, "cpu")
 

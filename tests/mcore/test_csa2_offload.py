@@ -3,7 +3,7 @@
 The study's setting: bf16 model, a Megatron-Bridge LoRA, uniform full recompute (1 layer per chunk) and
 megatron-core's distributed optimizer with `optimizer_cpu_offload=True`, `optimizer_offload_fraction=1`
 (`HybridDeviceOptimizer`: fp32 master weights and Adam moments on the host, host AdamW, results copied back
-to the device parameters), overlapped D2H/H2D copies on. `dsv4flash.mcore_cpu_redirect` gives the offload
+to the device parameters), overlapped D2H/H2D copies on. `dsv4flash.cpu_mode.mcore_redirect` gives the offload
 real, separate host copies of the "device" parameters on a CPU-only machine. The offloaded run must equal
 the same run with the optimizer on the device — losses and every adapter value bit-identical after 3 steps —
 and its optimizer state must sit in the host copies only: 12 bytes per local adapter element (fp32 master,

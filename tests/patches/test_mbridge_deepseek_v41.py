@@ -71,7 +71,7 @@ def v41():
     megatron-core; in the series form the patched megatron-core the harness puts on the path, where the twin's probe
     finds them. In the [runtime] form the harness applies the bridge twin."""
     from dsv4flash import _patching
-    from dsv4flash.mbridge_cpu_import import install
+    from dsv4flash.cpu_mode.mbridge_import import install
 
     install()
     csa2 = _patching.discover().get("DSV41-MCORE-011")
@@ -199,7 +199,7 @@ def _stored(directory: Path) -> dict[str, torch.Tensor]:
 
 def test_stock_release_has_no_v41_bridge():
     from dsv4flash import _patching
-    from dsv4flash.mbridge_cpu_import import install
+    from dsv4flash.cpu_mode.mbridge_import import install
 
     install()
     twin = _patching.discover().get(PATCH_ID)

@@ -4,7 +4,7 @@ Each file the patch adds under tests/unit_tests/ runs in a fresh pytest on a cop
 the patch (and its Depends-On) applied; a patch on megatron-core patches (`Depends-On: megatron-lm/<Patch-Id>`)
 also gets the pinned megatron-core with the megatron-lm series applied up to that patch, on the path before
 the installed one. megatron-bridge 0.6.2 needs Python 3.12 and Transformer Engine to import, so the run's
-conftest installs the CPU import shim (`dsv4flash.mbridge_cpu_import`) first, exactly as this project's own
+conftest installs the CPU import shim (`dsv4flash.cpu_mode.mbridge_import`) first, exactly as this project's own
 megatron-bridge tests do; the test files themselves run unchanged.
 """
 
@@ -30,9 +30,9 @@ CASES = [(p.patch_id, f) for p in SERIES.patches for f in p.files
          if f.startswith("tests/unit_tests/") and f.endswith(".py") and f"--- /dev/null\n+++ b/{f}" in p.diff]
 CONFTEST = """from pathlib import Path
 
-from dsv4flash import mbridge_cpu_import
+from dsv4flash.cpu_mode import mbridge_import
 
-mbridge_cpu_import.install()
+mbridge_import.install()
 import megatron.bridge
 import megatron.core
 

@@ -123,14 +123,14 @@ def test_cpu_development_mode_in_a_verl_worker_process():
     """What a veRL worker on the CPU platform gets once it imports veRL's Megatron engine: the megatron-core
     redirect, megatron-bridge importable on this Python, and the project's bridge registered with AutoBridge."""
     code = ("import json, torch, verl; import verl.workers.engine.megatron.transformer_impl; "
-            "from dsv4flash import mcore_cpu_redirect, mbridge_cpu_import; "
+            "from dsv4flash.cpu_mode import mcore_redirect, mbridge_import; "
             "from dsv4flash.integrations import mbridge; "
-            "print(json.dumps([mcore_cpu_redirect.installed(), mbridge_cpu_import._installed, mbridge.is_registered(), "
+            "print(json.dumps([mcore_redirect.installed(), mbridge_import._installed, mbridge.is_registered(), "
             "str(torch.cuda.current_device())]))")
     assert _probe(code, VERL_PLATFORM="cpu") == '[true, true, true, "cpu"]'
     env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
     code_off = ("import json, verl; import verl.workers.engine.megatron.transformer_impl; "
-                "from dsv4flash import mcore_cpu_redirect; print(json.dumps(mcore_cpu_redirect.installed()))")
+                "from dsv4flash.cpu_mode import mcore_redirect; print(json.dumps(mcore_redirect.installed()))")
     run = subprocess.run([sys.executable, "-c", code_off], capture_output=True, text=True, timeout=300,
                          env={**env, "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0 and run.stdout.strip().splitlines()[-1] == "false", run.stderr[-3000:]

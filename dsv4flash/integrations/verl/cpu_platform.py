@@ -248,10 +248,10 @@ def enter_cpu_development_mode() -> bool:
     from dsv4flash.post_import import when_imported
 
     def install() -> None:
-        from dsv4flash import mbridge_cpu_import, mcore_cpu_redirect
+        from dsv4flash.cpu_mode import mbridge_import, mcore_redirect
 
-        mcore_cpu_redirect.install()
-        mbridge_cpu_import.install()
+        mcore_redirect.install()
+        mbridge_import.install()
 
     when_imported("verl.workers.engine.megatron.transformer_impl", install)
     return True

@@ -3,7 +3,7 @@
 Every module here registers itself with `dsv4flash._patching.runtime_patch`; `_patching.discover()` imports
 them all and `dsv4flash.integrations.mbridge.register()` applies them. The upstream form of each lives in
 `patches/megatron-bridge/` under the same Patch-Id. Importing a twin module imports no megatron-bridge;
-`install` does (on a CPU machine after `dsv4flash.mbridge_cpu_import.install()`).
+`install` does (on a CPU machine after `dsv4flash.cpu_mode.mbridge_import.install()`).
 """
 
 import functools
@@ -26,6 +26,6 @@ def import_bridge() -> None:
 
         if sys.version_info >= (3, 12) or torch.cuda.is_available():
             raise  # a real install problem: the CPU development mode does not apply here
-    from dsv4flash import mbridge_cpu_import
+    from dsv4flash.cpu_mode import mbridge_import
 
-    mbridge_cpu_import.install()
+    mbridge_import.install()
