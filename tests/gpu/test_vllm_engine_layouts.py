@@ -20,7 +20,6 @@ PROMPTS = [[200 + 11 * i + j for j in range(40)] for i in range(2)]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    pytest.importorskip("vllm")
     from vllm import LLM
 
     from dsv4flash.config import load_config

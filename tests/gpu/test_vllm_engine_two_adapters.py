@@ -18,7 +18,6 @@ PROMPTS = [[100 + 7 * i + j for j in range(48)] for i in range(4)]
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    pytest.importorskip("vllm")
     from vllm import LLM
 
     from tests.gpu import _small_v41

@@ -106,7 +106,7 @@ class _Toy(nn.Module):
 
 @pytest.mark.upstream
 def test_hf_peft_loads_per_expert_export(tmp_path):
-    peft = pytest.importorskip("peft")
+    import peft
     ad = _adapter()
     export_peft(ad, tmp_path / "peft")
     model = peft.PeftModel.from_pretrained(_Toy(), tmp_path / "peft")
@@ -122,7 +122,6 @@ def test_hf_peft_loads_per_expert_export(tmp_path):
 
 @pytest.mark.upstream
 def test_vllm_reads_both_layouts_with_the_same_delta(tmp_path):
-    pytest.importorskip("vllm")
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.model_manager import LoRAModelManager
     from vllm.lora.peft_helper import PEFTHelper

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import warnings
 
+import peft
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import dsv4flash  # noqa: F401  (registers DeepseekV41ForCausalLM with transformers' auto classes)
 from dsv4flash.engine import model_io
@@ -19,9 +21,6 @@ from dsv4flash.model.transformer import Transformer
 from dsv4flash.tasks.tokenizer import TaskTokenizer
 
 from .conftest import randomize_adapters
-
-peft = pytest.importorskip("peft")
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 ATOL = 1e-5
 PLACEMENTS = {

@@ -10,7 +10,6 @@ import torch
 from tests.mcore_cpu import models, parallel, shim
 
 pytestmark = [pytest.mark.upstream]
-megatron = pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 
 def test_install_redirects_and_uninstall_restores():

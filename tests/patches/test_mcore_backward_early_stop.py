@@ -30,7 +30,6 @@ from tests.mcore_cpu import parallel as mcore_parallel
 
 PATCH_ID = "DSV41-MCORE-002"
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
-pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 
 def _count_gradient_traffic(rank: int) -> dict[str, int]:

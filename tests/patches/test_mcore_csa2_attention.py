@@ -21,7 +21,6 @@ from tests.patches.test_mcore_hyper_connection import added_files
 
 PATCH_ID = "DSV41-MCORE-008"
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
-pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 SEQ, BATCH, HIDDEN = 12, 2, 32
 

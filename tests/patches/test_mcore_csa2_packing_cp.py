@@ -22,7 +22,6 @@ from tests.patches.test_mcore_hyper_connection import ROOT, added_files
 
 PATCH_ID = "DSV41-MCORE-009"
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
-pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 HIDDEN = 32
 LENGTHS, PADDED = [5, 8, 3], [6, 8, 4]  # real and slot lengths of the packed documents

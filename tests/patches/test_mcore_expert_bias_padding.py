@@ -14,7 +14,6 @@ from tests.mcore_cpu import models
 
 PATCH_ID = "DSV41-MCORE-001"
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
-pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 
 def _router(**overrides):

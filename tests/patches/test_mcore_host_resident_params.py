@@ -20,7 +20,6 @@ from tests.mcore_cpu import parallel as mcore_parallel
 
 PATCH_ID = "DSV41-MCORE-005"
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
-pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 ROWS, HIDDEN = 16, 8
 

@@ -16,7 +16,6 @@ import torch
 
 PATCH_ID = "DSV41-MCORE-007"
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
-pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 SEQ, BATCH, HIDDEN = 8, 2, 32
 

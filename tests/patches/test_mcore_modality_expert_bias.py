@@ -15,7 +15,6 @@ from tests.mcore_cpu import models
 
 PATCH_ID = "DSV41-MCORE-004"
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
-pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 
 def _config(frozen: bool = False, **overrides):

@@ -196,7 +196,6 @@ def test_obsolete_evaluates_remove_when(fake):
 
 @pytest.mark.upstream
 def test_real_mcore_twin_via_register(monkeypatch):
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     from megatron.core.transformer.moe.router import TopKRouter
 
     import dsv4flash.integrations.mcore as mcore

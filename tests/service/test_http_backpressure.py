@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
-import pytest
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
 
-pytest.importorskip("tinker")
-
-from tinker import types  # noqa: E402
-from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
-
-from tests.service.http_server import KEYS, running_server, service_client, write_keys  # noqa: E402
+from tests.service.http_server import KEYS, running_server, service_client, write_keys
 
 
 def _datum(i):

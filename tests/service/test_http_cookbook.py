@@ -9,11 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
+import tinker  # noqa: F401  (the real SDK and cookbook: test dependencies, ci/install.sh test)
+import tinker_cookbook  # noqa: F401
 
-pytest.importorskip("tinker")
-pytest.importorskip("tinker_cookbook")
-
-from tests.service.http_server import KEYS, rest_client  # noqa: E402
+from tests.service.http_server import KEYS, rest_client
 
 
 @pytest.fixture

@@ -9,13 +9,10 @@ import concurrent.futures
 
 import numpy as np
 import pytest
+from tinker import types
 
-pytest.importorskip("tinker")
-
-from tinker import types  # noqa: E402
-
-import dsv4flash.service as core  # noqa: E402
-from tests.service.http_server import Server, rest_client, running_server, service_client, write_keys  # noqa: E402
+import dsv4flash.service as core
+from tests.service.http_server import Server, rest_client, running_server, service_client, write_keys
 
 pytestmark = pytest.mark.slow
 

@@ -8,13 +8,10 @@ import threading
 
 import numpy as np
 import pytest
+from tinker import types
 
-pytest.importorskip("tinker")
-
-from tinker import types  # noqa: E402
-
-import dsv4flash.service as core  # noqa: E402
-from tests.service.http_server import service_client  # noqa: E402
+import dsv4flash.service as core
+from tests.service.http_server import service_client
 
 PROBE = [0, 10, 11, 12, 20, 21, 22]
 

@@ -8,13 +8,10 @@ import sys
 
 import httpx
 import pytest
+import tinker
+from tinker import types
 
-pytest.importorskip("tinker")
-
-import tinker  # noqa: E402
-from tinker import types  # noqa: E402
-
-from tests.service.http_server import KEYS, rest_client, running_server, service_client, write_keys  # noqa: E402
+from tests.service.http_server import KEYS, rest_client, running_server, service_client, write_keys
 
 
 def test_sampler_cap_and_session_finish_free_memory(tmp_path):

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tinker
+from tinker import types
 
-pytest.importorskip("tinker")
-
-import tinker  # noqa: E402
-from tinker import types  # noqa: E402
-
-import dsv4flash.service as core  # noqa: E402
+import dsv4flash.service as core
 
 
 def _sl_datum(mod, tokens, prompt_len):

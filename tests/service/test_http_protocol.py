@@ -10,14 +10,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import tinker
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
 
-pytest.importorskip("tinker")
-
-import tinker  # noqa: E402
-from tinker import types  # noqa: E402
-from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
-
-from tests.service.http_server import KEYS, rest_client  # noqa: E402
+from tests.service.http_server import KEYS, rest_client
 
 
 @pytest.fixture(scope="module")

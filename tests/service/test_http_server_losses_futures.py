@@ -6,14 +6,11 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
+import torch
+from tinker import types
 
-pytest.importorskip("tinker")
-
-import torch  # noqa: E402
-from tinker import types  # noqa: E402
-
-import dsv4flash.service as core  # noqa: E402
-from tests.service.http_server import KEYS  # noqa: E402
+import dsv4flash.service as core
+from tests.service.http_server import KEYS
 
 TOKENS = [[0, 10, 11, 12, 20, 21], [0, 13, 14, 15, 23, 24, 25]]
 

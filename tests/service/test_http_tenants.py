@@ -10,15 +10,12 @@ import sys
 import httpx
 import numpy as np
 import pytest
+import tinker
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
 
-pytest.importorskip("tinker")
-
-import tinker  # noqa: E402
-from tinker import types  # noqa: E402
-from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
-
-from dsv4flash.service.plane.keys import KeyFileError, KeyRing, add_key, key_hash  # noqa: E402
-from tests.service.http_server import KEYS, rest_client, running_server, service_client, write_keys  # noqa: E402
+from dsv4flash.service.plane.keys import KeyFileError, KeyRing, add_key, key_hash
+from tests.service.http_server import KEYS, rest_client, running_server, service_client, write_keys
 
 
 # ---- keys file ----

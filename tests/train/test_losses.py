@@ -82,7 +82,6 @@ def test_tis_clamps_but_keeps_tokens():
 
 @pytest.mark.upstream
 def test_icepop_matches_verl_decoupled_token_icepop():
-    pytest.importorskip("verl")
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 
     torch.manual_seed(1)

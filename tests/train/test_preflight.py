@@ -10,7 +10,6 @@ import pytest
 from dsv4flash.train.compose import compose, to_train_config
 from dsv4flash.train.preflight import RunConfigError, check_run
 
-pytest.importorskip("verl")
 pytestmark = pytest.mark.upstream
 
 VERL = ["engine=verl"]

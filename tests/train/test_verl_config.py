@@ -6,11 +6,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("verl")
-
-from dsv4flash.config import load_config  # noqa: E402
-from dsv4flash.train.compose import compose, to_train_config  # noqa: E402
-from dsv4flash.train.verl_config import (VerlConfigError, build_verl_config, hydra_value,  # noqa: E402
+from dsv4flash.config import load_config
+from dsv4flash.train.compose import compose, to_train_config
+from dsv4flash.train.verl_config import (VerlConfigError, build_verl_config, hydra_value,
                                          megatron_lora_targets)
 
 pytestmark = pytest.mark.upstream
