@@ -185,14 +185,12 @@ def run(args: argparse.Namespace) -> BenchReport:
     fns = {"memcpy": memcpy, "gather": gather, "dedup": lambda: table.gather_stored(ids, dedup=True, out=stored_out),
            "lookup": lambda: table.gather(ids, out_dtype, out=lookup_out),
            "lookup_fresh": lambda: table.gather(ids, out_dtype), "naive": naive, "limit.advanced": advanced}
-    for narrow in (False, True):
-        scales = "scales_i64" if narrow else "scales_u8"
+    forms = (("scales_u8", False), ("scales_i64", True)) if table.fp8 else (("rows", False),)  # float: no scales
+    for form, narrow in forms:
         for name, order in (("sorted", distinct), ("shuffled", shuffled)):
-            fns[f"distinct.{name}.{scales}"] = plain_gather(tables, order, bufs, narrow)
+            fns[f"distinct.{name}.{form}"] = plain_gather(tables, order, bufs, narrow)
         for name, order in (("i64", host_ids), ("i32", host_ids.to(torch.int32))):
-            fns[f"limit.ids_{name}.{scales}"] = plain_gather(tables, order, token_bufs, narrow)
-    if not table.fp8:  # no scale rows: the two scale forms are the same gather
-        fns = {k: v for k, v in fns.items() if not k.endswith(".scales_i64")}
+            fns[f"limit.ids_{name}.{form}"] = plain_gather(tables, order, token_bufs, narrow)
 
     # Calibration: every function, best of --repeats rounds. Its figures fill the table and pick the two limit
     # variants; the comparison below then draws fresh times of the chosen variant (see `interleaved`).
