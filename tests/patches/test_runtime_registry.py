@@ -230,8 +230,23 @@ def test_patch_form_reverts_the_dependencies_it_applied(patch_form, mcore_parall
     patch_form.record("form_ran", True)
 
 
+def _applied_by_verl_plugin() -> set[str]:
+    """veRL twins that the `verl.plugins` entry point applied when a test imported the veRL module they patch."""
+    from dsv4flash.integrations import verl as verl_plugin
+
+    return {pid for pid, outcome in verl_plugin.OUTCOMES.items()
+            if outcome is Outcome.APPLIED and verl_plugin.TRIGGERS[pid] in sys.modules}
+
+
 def test_no_twin_is_left_applied_after_a_both_forms_test():
-    assert [t.meta.patch_id for t in _patching.discover().all() if t.applied] == []
+    """The harness reverts what a `[runtime]` test applied; only the installed veRL plugin's twins may stay.
+
+    Applying a veRL twin when its veRL module is imported is the plugin's documented behaviour (docs/verl.md,
+    "What the plugin changes"): an earlier test in this process that imports, e.g., `verl.workers.config`
+    applies DSV41-VERL-010/011 and they stay, as they would in a veRL worker. Those are not a leak.
+    """
+    plugin = _applied_by_verl_plugin()
+    assert [t.meta.patch_id for t in _patching.discover().all() if t.applied and t.meta.patch_id not in plugin] == []
 
 
 def test_patcher_add_creates_a_new_name_and_undo_removes_it():
