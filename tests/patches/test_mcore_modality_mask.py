@@ -1,6 +1,7 @@
 """DSV41-MCORE-012: the MoE modality mask passed from GPTModel through the block and layers to the router.
 
-The stock test shows 0.19.2's GPTModel takes no modality mask. The `patch_form` tests run twice: with the
+The stock test shows 0.19.2's GPTModel takes no modality mask; the probe test shows the twin's
+probe tells stock, patched and half-patched megatron-core apart by behaviour. The `patch_form` tests run twice: with the
 runtime twin on the installed megatron-core, and in a subprocess on a copy of the pinned release with the
 format-patch (and its Depends-On) applied; both must pass and record identical values. The selection is
 checked against the reference router `dsv4flash.model.moe.Gate` (image tokens pick with `bias_vl`).
@@ -80,6 +81,32 @@ def test_stock_gpt_model_takes_no_modality_mask(mcore_parallel):
         model = _model(modality_bias=False)  # the router twin (DSV41-MCORE-004) may be off here too
         with pytest.raises(TypeError, match="modality_mask"):
             model(**models.gpt_inputs(BATCH, SEQ), modality_mask=_image_mask())
+
+
+def test_probe_needs_the_mask_to_reach_the_moe_layer(monkeypatch):
+    """The probe runs upstream's forwards on 3 tokens: stock, or the layer half of the change alone, is "no fix"."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from dsv4flash import _patching
+    from dsv4flash.integrations.mcore.patches.modality_mask import upstream_threads_modality_mask
+
+    registry = _patching.discover()
+    twin = registry.get(PATCH_ID)
+    active_before = {t.meta.patch_id for t in registry.all() if t.applied}
+    with twin.suspended():
+        stock = {name: TransformerLayer.__dict__[name] for name in ("forward", "_forward_mlp")}
+        assert upstream_threads_modality_mask() is False
+    try:
+        assert twin.apply(mode="on", registry=registry).active
+        assert upstream_threads_modality_mask() is True
+        for name, value in stock.items():  # GPTModel and the block thread the mask, the layer drops it
+            monkeypatch.setattr(TransformerLayer, name, value)
+        assert upstream_threads_modality_mask() is False
+    finally:
+        monkeypatch.undo()
+        for other in reversed(registry.all()):
+            if other.applied and other.meta.patch_id not in active_before:
+                other.revert()
 
 
 def test_image_tokens_route_with_the_modality_bias(patch_form, mcore_parallel):

@@ -367,13 +367,77 @@ def _hyper_connection_forward(original):
 
 
 def upstream_threads_modality_mask() -> bool:
-    """Probe: does the installed GPTModel.forward and TransformerLayer._forward_mlp take `modality_mask`?"""
+    """Probe: does a 3-token mask passed to GPTModel.forward reach an MoE layer's MLP through the block?"""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import torch
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    return all("modality_mask" in inspect.signature(fn).parameters
-               for fn in (GPTModel.forward, TransformerBlock.forward, TransformerLayer._forward_mlp))
+    # Bare modules (no parallel state, no weights): upstream's own GPTModel.forward, TransformerBlock.forward,
+    # TransformerLayer.forward and _forward_mlp run; only the leaves around them are stand-ins.
+    config = SimpleNamespace(fine_grained_activation_offloading=False, moe_paged_stash=False, sequence_parallel=False,
+                             pipeline_model_parallel_size=1, fp8=False, fp4=False, recompute_granularity=None,
+                             cpu_offloading=False, fp32_residual_connection=False, mlp_chunks_for_prefill=1,
+                             mlp_chunks_for_training=1, transformer_impl="local", inference_fuse_tp_communication=False,
+                             cuda_graph_impl="none", cuda_graph_modules=[])
+
+    class Router(torch.nn.Module):  # the MoE layer's side: adds the mask it was handed to its input
+        def forward(self, hidden_states, padding_mask=None, modality_mask=None):
+            if modality_mask is None:
+                return hidden_states, None
+            return hidden_states + modality_mask.transpose(0, 1).unsqueeze(-1), None
+
+    class Layer(TransformerLayer):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.config, self.layer_number, self.is_moe_layer, self.recompute_mlp = config, 1, True, False
+            self.mlp = Router()
+
+        def __call__(self, *args, **kwargs):  # skip TransformerLayer's CUDA-graph __call__
+            return self.forward(*args, **kwargs)
+
+        def _forward_attention(self, hidden_states=None, context=None, **kwargs):
+            return hidden_states, context
+
+        def _forward_pre_mlp_layernorm(self, hidden_states):
+            return hidden_states
+
+        def _maybe_unflatten_for_moe(self, hidden_states, padding_mask, packed_seq_params):
+            return hidden_states, padding_mask, None
+
+        def _forward_post_mlp(self, mlp_output_with_bias, residual):
+            return mlp_output_with_bias[0]
+
+    class Block(TransformerBlock):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.config, self.pg_collection, self.vp_stage, self.pre_process = config, SimpleNamespace(), None, True
+            self.offload_context, self.final_layernorm = nullcontext(), None
+            self.layers = torch.nn.ModuleList([Layer()])
+
+        def __call__(self, *args, **kwargs):
+            return self.forward(*args, **kwargs)
+
+    class Model(GPTModel):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.config, self.mtp_process, self.decoder = config, False, Block()
+
+        def _preprocess(self, input_ids, padding_mask=None, **kwargs):
+            return input_ids.transpose(0, 1).unsqueeze(-1).float(), None, None, None, None, padding_mask
+
+        def _postprocess(self, hidden_states, **kwargs):
+            return hidden_states
+
+    mask = torch.tensor([[False, True, False]])
+    try:
+        out = Model().forward(torch.zeros(1, 3, dtype=torch.long), None, None, modality_mask=mask)
+    except TypeError:  # 0.19.x: GPTModel.forward takes no modality_mask
+        return False
+    return out.flatten().tolist() == [0.0, 1.0, 0.0]
 
 
 @mcore_twin(
