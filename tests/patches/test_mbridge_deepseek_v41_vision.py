@@ -320,6 +320,86 @@ def test_export_is_bit_exact_to_every_stored_tensor(patch_form, v41, mcore_paral
     patch_form.record("vision_names", vision)
 
 
+def _tp_rank(rank: int, world_size: int, form: str, out_dir: str) -> None:
+    """One of two TP ranks: the ViT and aligner built at TP 2, loaded and exported through the bridge's mappings."""
+    import types
+
+    from dsv4flash import _patching
+    from dsv4flash.mbridge_cpu_import import install
+    from tests.mcore_cpu import parallel
+
+    install()
+    registry = _patching.discover()
+    if form == "runtime":
+        for patch_id in ("DSV41-MCORE-011", PATCH_ID):
+            assert registry.get(patch_id).apply().active, f"{patch_id}: the runtime twin did not apply in the rank"
+    else:
+        assert registry.get(PATCH_ID).upstream_has_it(), "the rank does not run the patched copy"
+    from megatron.bridge.models.conversion.utils import get_module_and_param_from_name
+    from megatron.bridge.models.deepseek_v41.deepseek_v41_bridge import DeepSeekV41Bridge, provider_kwargs_from_hf
+    from megatron.bridge.models.deepseek_v41.deepseek_v41_vision import (
+        DeepSeekV41VisionModel, DeepSeekV41VisionProjection, get_deepseek_v41_vision_config,
+        get_deepseek_v41_vision_layer_spec, get_deepseek_v41_vision_projection_config,
+        get_deepseek_v41_vision_projection_spec)
+
+    from dsv4flash.model.transformer import Transformer
+
+    tiny = _tiny()
+    reference = Transformer("tiny", seed=3).eval()
+    hf = reference.state_dict()
+    with parallel.model_parallel(tp=world_size, rank=rank, world_size=world_size, seed=1):
+        kwargs = provider_kwargs_from_hf(tiny)
+        provider = types.SimpleNamespace(
+            **{k: v for k, v in kwargs.items() if k.startswith("vision_")}, init_method_std=0.02,
+            tensor_model_parallel_size=world_size, params_dtype=torch.float32, bf16=False, fp16=False,
+            use_cpu_initialization=True, perform_initialization=True)
+        vision_config = get_deepseek_v41_vision_config(provider)
+        model = torch.nn.Module()
+        model.vision_model = DeepSeekV41VisionModel(vision_config, get_deepseek_v41_vision_layer_spec(),
+                                                    provider.vision_patch_size, provider.vision_rope_theta)
+        model.vision_projection = DeepSeekV41VisionProjection(
+            get_deepseek_v41_vision_projection_config(vision_config, tiny["text_config"]["hidden_size"]),
+            get_deepseek_v41_vision_projection_spec(), provider.vision_hidden_size, provider.vision_downsample_ratio)
+        bridge = DeepSeekV41Bridge()
+        bridge.hf_config = tiny
+        mappings = bridge.mapping_registry()
+        exported, shards = {}, {}
+        for name, param in model.named_parameters():
+            mapping = mappings.megatron_to_hf_lookup(name)
+            module, _ = get_module_and_param_from_name(model, name)
+            with torch.no_grad():
+                param.copy_(mapping.hf_to_megatron(hf[mapping.hf_param], module))
+            shards[name] = list(param.shape)
+            exported.update(mapping.megatron_to_hf(param.detach(), module))
+        rows = []
+        with torch.no_grad():
+            for image in _images(seed=5):
+                got = model.vision_projection(model.vision_model(image.patches, image.grid_hw), image.grid_hw)
+                want = reference.aligner(reference.vision(image.patches, image.grid_hw), image.grid_hw)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                rows.append(got.tolist())
+    assert exported.keys() == {n for n in hf if n.startswith(("vision.", "aligner."))}
+    for name, tensor in exported.items():  # gathered and re-fused exactly
+        assert torch.equal(tensor, hf[name]), name
+    result = {"rows": rows, "shards": shards}
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_vit_splits_heads_and_mlp(patch_form, v41, mcore_parallel, tmp_path):
+    """TP 2: each rank holds half the ViT heads, half its MLP and half the aligner width; the gathered output
+    equals the reference, and the export of the shards re-fuses `wqkv` / `w1` bit for bit."""
+    mcore_parallel.spawn_gloo(_tp_rank, 2, patch_form.name, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["rows"] == ranks[1]["rows"]
+    shards = ranks[0]["shards"]
+    assert shards["vision_model.decoder.layers.0.self_attention.linear_qkv.weight"] == [48, 32]  # 1 of 2 heads
+    assert shards["vision_model.decoder.layers.0.mlp.linear_fc1.weight"] == [64, 32]  # [gate_i ; up_i]
+    assert shards["vision_model.decoder.layers.0.mlp.linear_fc2.weight"] == [32, 32]
+    assert shards["vision_projection.encoder.linear_fc1.weight"][0] == _tiny()["text_config"]["hidden_size"] // 2
+    patch_form.record("rows", [torch.tensor(r) for r in ranks[0]["rows"]], rtol=1e-5, atol=1e-5)
+
+
 def test_bad_image_inputs_are_refused_by_name(patch_form, v41, mcore_parallel, vl_release):
     model = _vl_model(_bridge(vl_release))
     ids, types = _prompt(2)
