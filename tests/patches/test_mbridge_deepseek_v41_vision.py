@@ -415,3 +415,21 @@ def test_bad_image_inputs_are_refused_by_name(patch_form, v41, mcore_parallel, v
             model(ids, positions, None, **kwargs)
         errors.append(str(info.value))
     patch_form.record("errors", errors)
+
+
+def test_vit_lives_on_the_first_pipeline_stage_only(patch_form, v41, mcore_parallel, vl_release):
+    """A stage without the embedding (pre_process=False) builds no ViT, aligner or delimiters; the first does."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    provider = _bridge(vl_release).to_megatron_provider(load_weights=False)
+    provider.params_dtype, provider.bf16 = torch.float32, False
+    provider.finalize()
+    provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    counts = {}
+    for pre_process in (True, False):
+        model = provider.provide(pre_process=pre_process, post_process=True)
+        vision = [n for n, _ in model.named_parameters() if not n.startswith("language_model.")]
+        assert (model.vision_model is None) == (not pre_process) and bool(vision) == pre_process, vision
+        counts[pre_process] = len(vision)
+    assert counts[True] == 2 + 2 * 8 + 1 + 4 + 3
+    patch_form.record("vision_params_per_stage", sorted(counts.items()))
