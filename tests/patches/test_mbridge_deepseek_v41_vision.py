@@ -433,3 +433,38 @@ def test_vit_lives_on_the_first_pipeline_stage_only(patch_form, v41, mcore_paral
         counts[pre_process] = len(vision)
     assert counts[True] == 2 + 2 * 8 + 1 + 4 + 3
     patch_form.record("vision_params_per_stage", sorted(counts.items()))
+
+
+@pytest.mark.slow
+def test_gradients_reach_the_vit_aligner_and_delimiters_unless_frozen(patch_form, v41, mcore_parallel, vl_release):
+    """Training through the VL model: the loss reaches the ViT, the aligner and the delimiter vectors; the
+    provider's freeze switches (as megatron-bridge's VL providers have them) stop exactly their parts."""
+    auto = _bridge(vl_release)
+    ids, types = _prompt(2)
+    pixels, grids = _pixels(_images(seed=11))
+    positions = torch.arange(40).expand(2, -1)
+    probes = ("vision_model.patch_embed.proj.weight", "vision_model.decoder.layers.0.self_attention.linear_qkv.weight",
+              "vision_projection.encoder.linear_fc1.weight", "image_start", "image_newline", "image_end",
+              "language_model.output_layer.weight")
+    seen = {}
+    for freeze in ({}, {"freeze_vision_model": True}, {"freeze_vision_projection": True}):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        provider = auto.to_megatron_provider(load_weights=False)
+        provider.params_dtype, provider.bf16 = torch.float32, False
+        for key, value in freeze.items():
+            setattr(provider, key, value)
+        provider.finalize()
+        provider._pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        model = provider.provide()
+        auto.load_hf_weights([model])
+        params = dict(model.named_parameters())
+        model(ids, positions, None, pixel_values=pixels, image_grid_hw=grids, token_types=types).square().sum().backward()
+        got = {n: params[n].grad is not None and bool(params[n].grad.abs().sum() > 0) for n in probes}
+        frozen_vit = bool(freeze.get("freeze_vision_model"))
+        frozen_projection = bool(freeze.get("freeze_vision_projection"))
+        assert got == {probes[0]: not frozen_vit, probes[1]: not frozen_vit, probes[2]: not frozen_projection,
+                       probes[3]: not frozen_projection, probes[4]: not frozen_projection,
+                       probes[5]: not frozen_projection, probes[6]: True}, (freeze, got)
+        seen[",".join(freeze) or "none"] = sorted(n for n, ok in got.items() if ok)
+    patch_form.record("trained", sorted(seen.items()))
