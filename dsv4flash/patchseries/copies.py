@@ -60,10 +60,15 @@ def patched_copy(series: Series, patch_ids: tuple[str, ...], opts: fetch.FetchOp
 def upstream_dependency_copies(series_map: dict[str, Series], patch: PatchFile,
                                opts: fetch.FetchOptions = fetch.FetchOptions()) -> list[PatchedCopy]:
     """Patched copies of the other upstreams `patch` builds on (`Depends-On: <folder>/<Patch-Id>`), one per folder,
-    each with its series applied up to the named patches (their Depends-On included)."""
+    each with its series applied up to the named patches (their Depends-On included). The cross-upstream
+    Depends-On of the patch's own Depends-On count too: their code runs in the same copy."""
+    own = series_map.get(patch.folder)
     wanted: dict[str, list[str]] = {}
-    for folder, pid in patch.upstream_depends_on:
-        if folder not in series_map:
-            raise KeyError(f"{patch.folder}/{patch.name}: Depends-On {folder}/{pid} names no loaded upstream folder")
-        wanted.setdefault(folder, []).append(pid)
+    for needed in own.closure(patch) if own is not None else (patch,):
+        for folder, pid in needed.upstream_depends_on:
+            if folder not in series_map:
+                raise KeyError(f"{needed.folder}/{needed.name}: Depends-On {folder}/{pid} names no loaded upstream "
+                               "folder")
+            if pid not in wanted.setdefault(folder, []):
+                wanted[folder].append(pid)
     return [patched_copy(series_map[folder], tuple(ids), opts) for folder, ids in wanted.items()]

@@ -7,10 +7,9 @@ with the same decoded tensors, its three fake-quant points off as in DSV41-MBRID
 checkpoint's stored bytes (export). Both forms: the runtime twin (the DSV41-MBRIDGE-001 twin executes the shipped
 `_upstream/` files, which carry this patch) and the pinned megatron-bridge with the series applied.
 
-Image tokens route with `ffn.gate.bias_vl` in the reference. Until DSV41-MBRIDGE-005 maps `bias_vl` and the
-language model turns `token_types` into megatron-core's modality mask, the checkpoint's `bias_vl` equals its
-`bias` (so the parity does not depend on it) and the export check leaves `ffn.gate.bias_vl` out: both are
-marked `PENDING_MBRIDGE_005`.
+Image tokens route with `ffn.gate.bias_vl` (DSV41-MBRIDGE-005, on megatron-core's modality mask of
+DSV41-MCORE-012): the checkpoint's `bias_vl` is random and distinct from `bias`, large enough to move image tokens
+to other experts, so the parity checks the image routing too.
 """
 
 from __future__ import annotations
@@ -26,19 +25,18 @@ from tests.patches.test_mbridge_deepseek_v41 import (SOURCE, _canonical_scales, 
                                                      added_files, v41)  # noqa: F401  (v41 is a fixture)
 
 PATCH_ID = "DSV41-MBRIDGE-006"
-PENDING_MBRIDGE_005 = ".ffn.gate.bias_vl"  # not mapped before DSV41-MBRIDGE-005
 pytestmark = [pytest.mark.patches, pytest.mark.upstream]
 assert importlib.util.find_spec("megatron.bridge") is not None, "megatron-bridge is not installed"
 GRIDS = ((4, 5), (3, 7))  # patch grids -> token grids (2, 2) and (1, 3)
 
 
-def _with_text_bias_as_image_bias(stream):
-    """PENDING_MBRIDGE_005: every `ffn.gate.bias_vl` replaced by its layer's `ffn.gate.bias`."""
-    tensors = dict(stream)
-    for name in tensors:
-        if name.endswith(PENDING_MBRIDGE_005):
-            tensors[name] = tensors[name[: -len("_vl")]].clone()
-    return tensors.items()
+def _with_distinct_image_bias(stream):
+    """Every `ffn.gate.bias_vl` redrawn (0.5 * N(0, 1)): large enough to move image tokens to other experts."""
+    gen = torch.Generator().manual_seed(9)
+    for name, tensor in stream:
+        if name.endswith(".ffn.gate.bias_vl"):
+            tensor = (0.5 * torch.randn(tensor.shape, generator=gen)).to(tensor.dtype)
+        yield name, tensor
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +52,7 @@ def vl_release(tmp_path_factory) -> Path:
     (root / "cfg").mkdir()
     (root / "cfg" / "config.json").write_text(json.dumps(data, indent=1))
     synthetic = write_release_checkpoint(root / "synthetic", root / "cfg" / "config.json", shards=2, seed=7)
-    return save_release(_with_text_bias_as_image_bias(_canonical_scales(synthetic)), synthetic, root / "release")
+    return save_release(_with_distinct_image_bias(_canonical_scales(synthetic)), synthetic, root / "release")
 
 
 def _bridge(release: Path):
@@ -170,9 +168,11 @@ def test_twin_files_are_the_patched_tree():
     assert set(shipped) == set(new) | {rel for rel in added_files("DSV41-MBRIDGE-001") if rel.startswith(twin.FOLDER)}
     for rel, body in new.items():
         assert shipped[rel] == body, rel
+    # The shipped provider and bridge are 001's files with this patch's edits; DSV41-MBRIDGE-005's edits of them
+    # arrive through its twin's replacements, which this twin re-replaces (the both-forms tests compare them).
     tree = _patched_tree(PATCH_ID)
-    for rel, body in shipped.items():
-        assert (tree.root / rel).read_text() == body, f"{rel}: the twin's copy differs from the patched tree"
+    for rel in new:
+        assert (tree.root / rel).read_text() == shipped[rel], f"{rel}: the twin's copy differs from the patched tree"
 
 
 def _patched_tree(*patch_ids):
@@ -229,6 +229,16 @@ def test_vl_model_gives_the_reference_logits_with_images(patch_form, v41, mcore_
             want = reference(ids, types, images[:n_images])  # [b, s, vocab]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         results[n_images] = got
+    # The parity is far tighter than bias_vl's effect: routing image tokens with the text bias moves the logits.
+    routers = [layer.mlp.router for layer in model.language_model.decoder.layers]
+    saved = [r.modality_expert_bias.expert_bias.clone() for r in routers]
+    with torch.no_grad():
+        for router in routers:
+            router.modality_expert_bias.expert_bias.copy_(router.expert_bias)
+        text_bias = model(ids, positions, None, pixel_values=pixels, image_grid_hw=grids, token_types=types).float()
+        for router, bias in zip(routers, saved):
+            router.modality_expert_bias.expert_bias.copy_(bias)
+    assert (results[2] - want).abs().max() < 0.01 * (results[2] - text_bias).abs().max(), "parity looser than bias_vl"
     # Other pixels change the logits from the first image span on, and still match the reference.
     ids, types = _prompt(2)
     other = _images(seed=12)
@@ -309,8 +319,9 @@ def test_export_is_bit_exact_to_every_stored_tensor(patch_form, v41, mcore_paral
         else:
             exported[name] = tensor
     stored = _stored(vl_release)
-    expected = {n for n in stored if not n.endswith(PENDING_MBRIDGE_005)}
+    expected = set(stored)
     assert set(exported) == expected
+    assert any(n.endswith(".ffn.gate.bias_vl") for n in expected)
     vision = sorted(n for n in expected if n.startswith(("vision.", "aligner.", "image_")))
     assert len(vision) == 2 + 2 * 8 + 1 + 4 + 3, vision  # patch_embed, 2 blocks of 8, norm, aligner, delimiters
     for name in expected:
@@ -468,3 +479,18 @@ def test_gradients_reach_the_vit_aligner_and_delimiters_unless_frozen(patch_form
                        probes[5]: not frozen_projection, probes[6]: True}, (freeze, got)
         seen[",".join(freeze) or "none"] = sorted(n for n, ok in got.items() if ok)
     patch_form.record("trained", sorted(seen.items()))
+
+
+def test_vision_tensors_with_a_text_only_config_are_refused_by_name(patch_form, v41, vl_release, tmp_path):
+    """A checkpoint holding vision tensors whose config has no vision tower: the first such tensor is named."""
+    import shutil
+
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(vl_release, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["vision_config"]["num_hidden_layers"] = 0
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"^(vision|aligner|image_)\S*: a vision-tower / aligner tensor, but "
+                                         r"vision_config\.num_hidden_layers is 0") as info:
+        _bridge(checkpoint).to_megatron_provider(load_weights=False)
+    patch_form.record("error", str(info.value))

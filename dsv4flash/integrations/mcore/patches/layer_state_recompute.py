@@ -36,7 +36,7 @@ TOUCHES = (
 )
 
 
-def checkpointed_forward(
+def _checkpointed_forward(
     self: MegatronModule,
     hidden_states: Tensor,
     attention_mask: Tensor,
@@ -49,8 +49,9 @@ def checkpointed_forward(
     padding_mask: Optional[Tensor] = None,
     extract_layer_indices: Optional[Set[int]] = None,
     layer_offset: int = 0,
+    modality_mask: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """Forward method with activation checkpointing.
+    """Forward method with activation checkpointing (the patched body; 012 opens the modality channel).
 
     Args:
         extract_layer_indices (Set[int], optional): Global layer
@@ -59,6 +60,8 @@ def checkpointed_forward(
         layer_offset (int): The global layer offset for the current
             pipeline stage. Used to convert local layer indices to
             global indices when checking extract_layer_indices.
+        modality_mask (Tensor, optional): MoE modality mask [b, s]; like padding_mask it is
+            an input of every checkpointed chunk, so recomputation routes identically.
 
     A layer may hand the next one an explicit per-layer state instead of a cross-attention
     context: a tuple of tensors (or None entries) returned in the context slot. The state is
@@ -98,6 +101,7 @@ def checkpointed_forward(
             rotary_pos_emb_local,
             rotary_pos_emb_global,
             padding_mask,
+            modality_mask,
             *context_flat,
         ):
             # The context slot: a tensor / None, or a per-layer state tuple flattened by the caller.
@@ -143,11 +147,19 @@ def checkpointed_forward(
                     packed_seq_params=packed_seq_params,
                     padding_mask=padding_mask,
                 )
+                if modality_mask is not None:
+                    layer_kwargs["modality_mask"] = modality_mask
                 with inner_quantization_context:
                     if isinstance(layer, TransformerLayer):
                         hidden_states, context = layer(**layer_kwargs)
                     else:  # MambaLayer (HybridStack `M` slot)
-                        for k in ("context", "context_mask", "attention_bias", "padding_mask"):
+                        for k in (
+                            "context",
+                            "context_mask",
+                            "attention_bias",
+                            "padding_mask",
+                            "modality_mask",
+                        ):
                             layer_kwargs.pop(k, None)
                         hidden_states = layer(**layer_kwargs)
                         context = None
@@ -169,7 +181,7 @@ def checkpointed_forward(
         # Unpack the RoPE tuple and the layer state as torch cannot save tuples for backward.
         context_flat = context if context_is_state else (context,)
         args = (hidden_states, attention_mask, context_mask, *rotary_pos_emb, padding_mask)
-        args = (*args, *context_flat)
+        args = (*args, modality_mask, *context_flat)
         if use_checkpoint:
             # Precision-aware activation checkpoint: TE under FP8/FP4,
             # tensor_parallel under BF16/FP16/FP32.
@@ -230,6 +242,26 @@ def checkpointed_forward(
         return hidden_states, intermediate_hidden_states
 
     return hidden_states
+
+
+def checkpointed_forward(
+    self: MegatronModule,
+    hidden_states: Tensor,
+    attention_mask: Tensor,
+    context: Optional[Tensor],
+    context_mask: Optional[Tensor],
+    rotary_pos_emb: Tensor,
+    attention_bias: Optional[Tensor],
+    packed_seq_params: PackedSeqParams,
+    use_inner_quantization_context: bool,
+    padding_mask: Optional[Tensor] = None,
+    extract_layer_indices: Optional[Set[int]] = None,
+    layer_offset: int = 0,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """DSV41-MCORE-007's `checkpointed_forward`: the patched body without a modality mask."""
+    return _checkpointed_forward(self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
+                                 attention_bias, packed_seq_params, use_inner_quantization_context,
+                                 padding_mask, extract_layer_indices, layer_offset)
 
 
 @contextlib.contextmanager

@@ -408,8 +408,10 @@ class DeepSeekV41Bridge(MegatronModelBridge):
 
     def mapping_registry(self) -> MegatronMappingRegistry:
         """Release names <-> megatron-core CSA2 / mHC / MoE (and, with vision, ViT / aligner) parameter names."""
-        vision = self.hf_config is not None and _has_vision(self.hf_config)
-        lm = "language_model." if vision else ""  # DeepSeekV41VLModel holds the GPTModel as language_model
+        # The registry follows the model the provider builds: with a vision tower, DeepSeekV41VLModel holds the
+        # GPTModel as language_model.
+        vision = self.hf_config is not None and bool(provider_kwargs_from_hf(self.hf_config).get("vision_num_layers"))
+        lm = "language_model." if vision else ""
         layer = f"{lm}decoder.layers.*"
         attn = f"{layer}.self_attention"
         mappings = [
