@@ -470,7 +470,8 @@ def test_gradients_reach_the_vit_aligner_and_delimiters_unless_frozen(patch_form
         model = provider.provide()
         auto.load_hf_weights([model])
         params = dict(model.named_parameters())
-        model(ids, positions, None, pixel_values=pixels, image_grid_hw=grids, token_types=types).square().sum().backward()
+        logits = model(ids, positions, None, pixel_values=pixels, image_grid_hw=grids, token_types=types)
+        logits.square().sum().backward()
         got = {n: params[n].grad is not None and bool(params[n].grad.abs().sum() > 0) for n in probes}
         frozen_vit = bool(freeze.get("freeze_vision_model"))
         frozen_projection = bool(freeze.get("freeze_vision_projection"))

@@ -1,4 +1,4 @@
-"""Runtime twin of DSV41-MBRIDGE-006: the DeepSeek-V4.1 ViT and 3x3 aligner in the Megatron model (`DeepSeekV41VLModel`).
+"""Runtime twin of DSV41-MBRIDGE-006: the DeepSeek-V4.1 ViT and 3x3 aligner in the Megatron model (DeepSeekV41VLModel).
 
 Why: with DSV41-MBRIDGE-001 (and -005's image-token expert bias) the V4.1 bridge refuses a checkpoint's
 vision-tower, aligner and image-delimiter tensors: they have no Megatron parameters to load into, so image

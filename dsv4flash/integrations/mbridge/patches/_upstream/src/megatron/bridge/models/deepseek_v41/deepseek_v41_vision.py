@@ -51,7 +51,7 @@ from megatron.core.utils import init_method_normal
 
 
 def get_deepseek_v41_vision_config(provider: Any) -> TransformerConfig:
-    """The ViT's ``TransformerConfig``: the provider's ``vision_*`` widths, its TP size and dtype, no other parallelism."""
+    """The ViT's ``TransformerConfig``: the provider's ``vision_*`` widths, TP size and dtype, no other parallelism."""
     init = init_method_normal(provider.init_method_std)  # every ViT / aligner linear ~ N(0, std), biases 0
     return TransformerConfig(
         num_layers=provider.vision_num_layers,

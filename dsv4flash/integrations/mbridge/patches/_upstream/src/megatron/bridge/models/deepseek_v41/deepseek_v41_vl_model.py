@@ -50,14 +50,16 @@ IMAGE_DELIMITERS = (("image_start", IMAGE_START), ("image_newline", IMAGE_NEWLIN
 def fill_image_embeddings(
     embeddings: torch.Tensor, token_types: torch.Tensor, image_rows: list, delimiters: dict
 ) -> torch.Tensor:
-    """Write aligned rows and delimiter vectors into ``embeddings`` [s, b, h] at ``token_types`` [b, s] (out of place)."""
+    """Write aligned rows and delimiter vectors into ``embeddings`` [s, b, h] at ``token_types`` [b, s] (a copy)."""
     s, b, h = embeddings.shape
     if tuple(token_types.shape) != (b, s):
         raise ValueError(f"token_types must be [{b}, {s}] (batch, sequence), got {list(token_types.shape)}")
     flat_types = token_types.reshape(-1)
     starts = int((flat_types == IMAGE_START).sum())
     if starts != len(image_rows):
-        raise ValueError(f"token_types hold {starts} image spans (IMAGE_START) but {len(image_rows)} images were given")
+        raise ValueError(
+            f"token_types hold {starts} image spans (IMAGE_START) but {len(image_rows)} images were given"
+        )
     image_positions = (flat_types == IMAGE).nonzero().flatten()
     rows = torch.cat(image_rows) if image_rows else embeddings.new_zeros(0, h)
     if rows.shape[0] != image_positions.numel():
