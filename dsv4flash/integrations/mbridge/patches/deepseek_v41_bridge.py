@@ -27,7 +27,8 @@ PATCH_ID = "DSV41-MBRIDGE-001"
 UPSTREAM_SOURCES = Path(__file__).resolve().parent / "_upstream"
 PACKAGE = "megatron.bridge.models.deepseek_v41"
 FOLDER = "src/megatron/bridge/models/deepseek_v41"
-SUBMODULES = ("deepseek_v41_engram", "deepseek_v41_provider", "deepseek_v41_bridge")  # import order: dependencies first
+SUBMODULES = ("deepseek_v41_engram", "deepseek_v41_vision", "deepseek_v41_vl_model", "deepseek_v41_provider",
+              "deepseek_v41_bridge")  # import order: dependencies first
 TOUCHES = (f"{PACKAGE}.deepseek_v41_bridge.DeepSeekV41Bridge",
            f"{PACKAGE}.deepseek_v41_bridge.provider_kwargs_from_hf",
            f"{PACKAGE}.deepseek_v41_provider.DeepSeekV41ModelProvider",

@@ -17,10 +17,18 @@ from megatron.bridge.models.deepseek_v41.deepseek_v41_provider import (  # noqa:
     DeepSeekV41ModelProvider,
     csa2_layer_pattern_from_hf,
 )
+from megatron.bridge.models.deepseek_v41.deepseek_v41_vision import (  # noqa: F401
+    DeepSeekV41VisionModel,
+    DeepSeekV41VisionProjection,
+)
+from megatron.bridge.models.deepseek_v41.deepseek_v41_vl_model import DeepSeekV41VLModel  # noqa: F401
 
 
 __all__ = [
     "DeepSeekV41Bridge",
     "DeepSeekV41ModelProvider",
+    "DeepSeekV41VLModel",
+    "DeepSeekV41VisionModel",
+    "DeepSeekV41VisionProjection",
     "csa2_layer_pattern_from_hf",
 ]

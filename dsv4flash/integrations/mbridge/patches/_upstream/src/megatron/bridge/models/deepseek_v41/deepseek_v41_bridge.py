@@ -29,9 +29,16 @@ they hold ~384 M rows, so import reads and decodes them ``ENGRAM_ROWS_PER_READ``
 (``StateDict.load_rows``), and export yields them as ``TensorRowChunk``s of ``ENGRAM_ROWS_PER_READ`` rows (each
 weight chunk, then its scale chunk), which ``SafeTensorsStateSource.save_generator`` spools to the shard.
 
+Vision: with ``vision_config.num_hidden_layers > 0`` the provider builds a ``DeepSeekV41VLModel``; the text
+decoder's parameters then sit under ``language_model.`` and the release's ``vision.*`` (ViT), ``aligner.*`` and
+``image_start`` / ``image_newline`` / ``image_end`` tensors map onto ``vision_model.*``, ``vision_projection.*``
+and the model's delimiter vectors (BF16 in the release, exported back in their stored dtype). The ViT's fused
+``wqkv`` ([q ; k ; v]) becomes megatron-core's per-head [q_h ; k_h ; v_h] and its fused ``w1`` ([gate ; up])
+the per-rank [gate_i ; up_i] of a gated ``linear_fc1``.
+
 Covered: the text decoder, every CSA2 layer kind the release uses (window-only S, compressing F, compressing
-and pooling C, re-indexing I, reusing R), YaRN on compressed layers and Engram layers. Not covered yet: the
-vision tower and aligner, draft (MTP) layers; such configs are refused with an error naming the field.
+and pooling C, re-indexing I, reusing R), YaRN on compressed layers, Engram layers, the vision tower and
+aligner. Not covered yet: draft (MTP) layers; such configs are refused with an error naming the field.
 """
 
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Union
@@ -44,7 +51,9 @@ from megatron.bridge.models.conversion.mapping_registry import MegatronMappingRe
 from megatron.bridge.models.conversion.model_bridge import HFWeightTuple, MegatronModelBridge, WeightConversionTask
 from megatron.bridge.models.conversion.param_mapping import (
     ColumnParallelMapping,
+    ConcatenatedQKVMapping,
     GatedMLPMapping,
+    MegatronParamMapping,
     ReplicatedMapping,
     RowParallelMapping,
 )
@@ -53,6 +62,7 @@ from megatron.bridge.models.deepseek_v41.deepseek_v41_provider import (
     DeepSeekV41ModelProvider,
     csa2_layer_pattern_from_hf,
 )
+from megatron.bridge.models.deepseek_v41.deepseek_v41_vl_model import IMAGE_DELIMITERS, DeepSeekV41VLModel
 from megatron.bridge.models.hf_pretrained.row_chunks import TensorRowChunk
 
 
@@ -98,12 +108,6 @@ def _use_mxfp4_export(hf_param: str, weight: torch.Tensor, source_scale: torch.T
 def provider_kwargs_from_hf(hf_config: Any) -> Dict[str, Any]:
     """``DeepSeekV41ModelProvider`` fields for a V4.1 HF config (raises on parts this bridge cannot build)."""
     text = _text_config(hf_config)
-    vision_layers = _field(_field(hf_config, "vision_config") or {}, "num_hidden_layers", 0) or 0
-    if vision_layers:
-        raise ValueError(
-            f"vision_config.num_hidden_layers is {vision_layers}: the V4.1 vision tower and aligner are not "
-            "mapped by this bridge yet (text-only checkpoints: 0)"
-        )
     if _field(text, "num_nextn_predict_layers", 0):
         raise ValueError("text_config.num_nextn_predict_layers: draft (MTP) layers are not mapped by this bridge")
     if _field(text, "n_shared_experts", 1) != 1:
@@ -159,6 +163,7 @@ def provider_kwargs_from_hf(hf_config: Any) -> Dict[str, Any]:
             if _field(text, name) is None:
                 raise ValueError(f"text_config.{name}: required with engram_layer_ids")
             kwargs[name] = list(_field(text, name)) if name.endswith(("_ids", "_embeddings")) else _field(text, name)
+    kwargs.update(vision_provider_kwargs_from_hf(hf_config))
     rope_scaling = _field(text, "rope_scaling") or {}
     factor = float(_field(rope_scaling, "factor", 1.0) or 1.0)
     if factor != 1.0:  # the release applies YaRN on every compressed layer
@@ -169,6 +174,105 @@ def provider_kwargs_from_hf(hf_config: Any) -> Dict[str, Any]:
             csa2_yarn_beta_slow=float(_field(rope_scaling, "beta_slow", 1)),
         )
     return kwargs
+
+
+def _has_vision(hf_config: Any) -> bool:
+    return bool(_field(_field(hf_config, "vision_config") or {}, "num_hidden_layers", 0))
+
+
+def vision_provider_kwargs_from_hf(hf_config: Any) -> Dict[str, Any]:
+    """``vision_*`` provider fields of the HF ``vision_config`` (none for a text-only checkpoint)."""
+    if not _has_vision(hf_config):
+        return {}
+    vision = _field(hf_config, "vision_config")
+    fields = dict(
+        vision_num_layers="num_hidden_layers",
+        vision_hidden_size="hidden_size",
+        vision_num_attention_heads="num_attention_heads",
+        vision_ffn_hidden_size="intermediate_size",
+        vision_patch_size="patch_size",
+        vision_downsample_ratio="downsample_ratio",
+    )
+    kwargs = {}
+    for name, hf_name in fields.items():
+        if _field(vision, hf_name) is None:
+            raise ValueError(f"vision_config.{hf_name}: required with a vision tower (num_hidden_layers > 0)")
+        kwargs[name] = int(_field(vision, hf_name))
+    if kwargs["vision_hidden_size"] % (4 * kwargs["vision_num_attention_heads"]):
+        raise ValueError(
+            f"vision_config.hidden_size {kwargs['vision_hidden_size']}: the head width (hidden_size / "
+            f"num_attention_heads {kwargs['vision_num_attention_heads']}) must be divisible by 4 for 2D RoPE"
+        )
+    kwargs.update(
+        vision_rope_theta=float(_field(vision, "rope_theta", 10000.0)),
+        vision_layernorm_epsilon=float(_field(vision, "rms_norm_eps", 1e-6)),
+        scatter_embedding_sequence_parallel=False,  # the VL model scatters after writing the images
+    )
+    return kwargs
+
+
+class FusedGatedMLPMapping(MegatronParamMapping[torch.Tensor]):
+    """One HF tensor ``[gate ; up]`` <-> a gated ``linear_fc1`` whose TP rank i holds ``[gate_i ; up_i]``."""
+
+    def __init__(self, megatron_param: str, hf_param: str):
+        super().__init__(megatron_param, hf_param)
+        self._tp_mapping = ColumnParallelMapping(megatron_param, megatron_param)
+
+    def _per_rank(self, fused: torch.Tensor) -> torch.Tensor:
+        gate, up = fused.chunk(2, dim=0)
+        return torch.cat([torch.cat(pair) for pair in zip(gate.chunk(self.tp_size), up.chunk(self.tp_size))])
+
+    def _fused(self, per_rank: torch.Tensor) -> torch.Tensor:
+        pairs = [shard.chunk(2, dim=0) for shard in per_rank.chunk(self.tp_size, dim=0)]
+        return torch.cat([gate for gate, _ in pairs] + [up for _, up in pairs])
+
+    def hf_to_megatron(self, hf_weights: torch.Tensor, megatron_module: torch.nn.Module) -> torch.Tensor:
+        """Reorder ``[gate ; up]`` into per-rank pairs, then split along dim 0."""
+        if self.tp_rank == 0:
+            if hf_weights.shape[0] % (2 * self.tp_size):
+                raise ValueError(
+                    f"{self.hf_param}: {hf_weights.shape[0]} rows do not split into gate and up over "
+                    f"{self.tp_size} TP ranks"
+                )
+            hf_weights = self._per_rank(hf_weights)
+        return self._tp_mapping.hf_to_megatron(hf_weights, megatron_module)
+
+    def megatron_to_hf(self, megatron_weights, megatron_module) -> Dict[str, torch.Tensor]:
+        """Gather the TP shards and restore ``[gate ; up]``."""
+        gathered = self._tp_mapping.megatron_to_hf(megatron_weights, megatron_module)
+        if not gathered:
+            return {}
+        return {str(self.hf_param): self._fused(next(iter(gathered.values())))}
+
+    def resolve(self, captures) -> "FusedGatedMLPMapping":
+        """A resolved copy for the captured wildcards."""
+        megatron_param, hf_param = self._resolve_names(captures)
+        return type(self)(megatron_param, hf_param)
+
+
+def _vision_mappings() -> List[MegatronParamMapping]:
+    """Release ``vision.*`` / ``aligner.*`` / image delimiters <-> ``DeepSeekV41VLModel`` parameters."""
+    vit = "vision_model.decoder.layers.*"
+    block = "vision.blocks.*"
+    mappings = [
+        ReplicatedMapping("vision_model.patch_embed.proj.weight", "vision.patch_embed.proj.weight"),
+        ReplicatedMapping("vision_model.patch_embed.proj.bias", "vision.patch_embed.proj.bias"),
+        ReplicatedMapping(f"{vit}.input_layernorm.weight", f"{block}.norm1.weight"),
+        ConcatenatedQKVMapping(f"{vit}.self_attention.linear_qkv.weight", f"{block}.attn.wqkv.weight"),
+        ConcatenatedQKVMapping(f"{vit}.self_attention.linear_qkv.bias", f"{block}.attn.wqkv.bias"),
+        RowParallelMapping(f"{vit}.self_attention.linear_proj.weight", f"{block}.attn.wo.weight"),
+        ReplicatedMapping(f"{vit}.self_attention.linear_proj.bias", f"{block}.attn.wo.bias"),
+        ReplicatedMapping(f"{vit}.pre_mlp_layernorm.weight", f"{block}.norm2.weight"),
+        FusedGatedMLPMapping(f"{vit}.mlp.linear_fc1.weight", f"{block}.mlp.w1.weight"),
+        RowParallelMapping(f"{vit}.mlp.linear_fc2.weight", f"{block}.mlp.w2.weight"),
+        ReplicatedMapping("vision_model.decoder.final_layernorm.weight", "vision.norm.weight"),
+        ColumnParallelMapping("vision_projection.encoder.linear_fc1.weight", "aligner.w1.weight"),
+        ColumnParallelMapping("vision_projection.encoder.linear_fc1.bias", "aligner.w1.bias"),
+        RowParallelMapping("vision_projection.encoder.linear_fc2.weight", "aligner.w2.weight"),
+        ReplicatedMapping("vision_projection.encoder.linear_fc2.bias", "aligner.w2.bias"),
+    ]
+    mappings += [ReplicatedMapping(name, name) for name, _ in IMAGE_DELIMITERS]
+    return mappings
 
 
 def _load_engram_table(hf_param: str, hf_state_dict) -> torch.Tensor:
@@ -193,12 +297,18 @@ def _load_engram_table(hf_param: str, hf_state_dict) -> torch.Tensor:
 
 @MegatronModelBridge.register_bridge(
     source="DeepseekV41ForCausalLM",
+    target=DeepSeekV41VLModel,
+    provider=DeepSeekV41ModelProvider,
+    model_type="deepseek_v41",
+)
+@MegatronModelBridge.register_bridge(
+    source="DeepseekV41ForCausalLM",
     target=GPTModel,
     provider=DeepSeekV41ModelProvider,
     model_type="deepseek_v41",
 )
 class DeepSeekV41Bridge(MegatronModelBridge):
-    """Megatron Bridge for DeepSeek-V4.1 release checkpoints (text decoder, see the module docstring)."""
+    """Megatron Bridge for DeepSeek-V4.1 release checkpoints (text decoder and vision, see the module docstring)."""
 
     def provider_bridge(self, hf_pretrained) -> DeepSeekV41ModelProvider:
         """A provider for the checkpoint's config, in the checkpoint's wide dtype (bf16) unless overridden."""
@@ -297,13 +407,17 @@ class DeepSeekV41Bridge(MegatronModelBridge):
                 yield name, TensorRowChunk(rows.to(dtype), start, total)
 
     def mapping_registry(self) -> MegatronMappingRegistry:
-        """Release names <-> megatron-core CSA2 / mHC / MoE parameter names."""
-        layer = "decoder.layers.*"
+        """Release names <-> megatron-core CSA2 / mHC / MoE (and, with vision, ViT / aligner) parameter names."""
+        # The registry follows the model the provider builds: with a vision tower, DeepSeekV41VLModel holds the
+        # GPTModel as language_model.
+        vision = self.hf_config is not None and bool(provider_kwargs_from_hf(self.hf_config).get("vision_num_layers"))
+        lm = "language_model." if vision else ""
+        layer = f"{lm}decoder.layers.*"
         attn = f"{layer}.self_attention"
         mappings = [
-            ColumnParallelMapping("embedding.word_embeddings.weight", "embed.weight"),
-            ColumnParallelMapping("output_layer.weight", "head.weight"),
-            ReplicatedMapping("decoder.final_layernorm.weight", "norm.weight"),
+            ColumnParallelMapping(f"{lm}embedding.word_embeddings.weight", "embed.weight"),
+            ColumnParallelMapping(f"{lm}output_layer.weight", "head.weight"),
+            ReplicatedMapping(f"{lm}decoder.final_layernorm.weight", "norm.weight"),
             ReplicatedMapping(f"{layer}.input_layernorm.weight", "layers.*.attn_norm.weight"),
             ReplicatedMapping(f"{layer}.pre_mlp_layernorm.weight", "layers.*.ffn_norm.weight"),
             # Attention: the latent side is replicated, query heads and output groups are split.
@@ -355,4 +469,6 @@ class DeepSeekV41Bridge(MegatronModelBridge):
         for site, hf_site in (("self_attn_hyper_connection", "hc_attn"), ("mlp_hyper_connection", "hc_ffn")):
             for part in ("fn", "base", "scale"):
                 mappings.append(ReplicatedMapping(f"{layer}.{site}.{part}", f"layers.*.{hf_site}_{part}"))
+        if vision:
+            mappings += _vision_mappings()
         return MegatronMappingRegistry(*mappings)

@@ -17,13 +17,15 @@
 The provider is a ``GPTModelProvider`` whose config is megatron-core's ``CSA2TransformerConfig``: every
 layer is a ``HyperConnectionTransformerLayer`` with ``CSA2SelfAttention`` and a MoE MLP, built from
 ``get_csa2_decoder_block_spec``; the layers in ``engram_layer_ids`` add their Engram lookup to the streams first
-(``deepseek_v41_engram``). ``csa2_layer_pattern_from_hf`` turns the V4.1 per-layer fields
+(``deepseek_v41_engram``). With ``vision_num_layers > 0`` ``provide()`` returns a ``DeepSeekV41VLModel`` (that
+GPTModel as ``language_model``, plus the ViT and the 3x3 aligner of ``deepseek_v41_vision``).
+``csa2_layer_pattern_from_hf`` turns the V4.1 per-layer fields
 (``compress_ratios``, ``kv_source_layer_ids``, ``index_source_layer_ids``, ``candidate_source_layer_id``)
 into megatron-core's layer pattern.
 """
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,7 @@ from megatron.core.transformer.experimental_attention_variant.csa2 import CSA2Tr
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron.bridge.models.deepseek_v41.deepseek_v41_engram import attach_engram, with_engram_layers
+from megatron.bridge.models.deepseek_v41.deepseek_v41_vl_model import DeepSeekV41VLModel
 from megatron.bridge.models.gpt_provider import GPTModelProvider
 
 
@@ -130,7 +133,29 @@ class DeepSeekV41ModelProvider(CSA2TransformerConfig, GPTModelProvider):
     engram_compressed_vocab_size: int = 99092
     engram_host_resident_table: bool = True  # megatron-core's HostRowLookupTable; False: an ordinary parameter
 
-    def provide(self, pre_process=None, post_process=None, vp_stage=None) -> GPTModel:
+    # Vision tower and aligner (0 layers: a text-only model, provide() returns the plain GPTModel).
+    vision_num_layers: int = 0
+    vision_hidden_size: int = 1024
+    vision_num_attention_heads: int = 16
+    vision_ffn_hidden_size: int = 4096
+    vision_patch_size: int = 14
+    vision_rope_theta: float = 10000.0
+    vision_layernorm_epsilon: float = 1e-6
+    vision_downsample_ratio: int = 3
+    freeze_language_model: bool = False
+    freeze_vision_model: bool = False
+    freeze_vision_projection: bool = False
+
+    def provide(self, pre_process=None, post_process=None, vp_stage=None) -> Union[GPTModel, DeepSeekV41VLModel]:
+        """The GPTModel, or with a vision tower the ``DeepSeekV41VLModel`` around it."""
+        if not self.vision_num_layers:
+            return self.provide_language_model(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        model = DeepSeekV41VLModel(self, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        if self.freeze_language_model or self.freeze_vision_model or self.freeze_vision_projection:
+            model.freeze(self.freeze_language_model, self.freeze_vision_model, self.freeze_vision_projection)
+        return model
+
+    def provide_language_model(self, pre_process=None, post_process=None, vp_stage=None) -> GPTModel:
         """The GPTModel; with Engram layers, its forward hashes ``input_ids`` (and takes ``token_types``)."""
         if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
             raise ValueError(
