@@ -145,8 +145,8 @@ def test_without_the_patch_the_v41_bridge_refuses_the_vision_tower(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_tiny()))
     script = (
         "import json, sys\n"
-        "from dsv4flash import mbridge_cpu_import\n"
-        "mbridge_cpu_import.install()\n"
+        "from dsv4flash.cpu_mode import mbridge_import\n"
+        "mbridge_import.install()\n"
         "from megatron.bridge.models.deepseek_v41.deepseek_v41_bridge import provider_kwargs_from_hf\n"
         f"provider_kwargs_from_hf(json.load(open({str(tmp_path / 'config.json')!r})))\n"
     )
@@ -336,7 +336,7 @@ def _tp_rank(rank: int, world_size: int, form: str, out_dir: str) -> None:
     import types
 
     from dsv4flash import _patching
-    from dsv4flash.mbridge_cpu_import import install
+    from dsv4flash.cpu_mode.mbridge_import import install
     from tests.mcore_cpu import parallel
 
     install()
