@@ -12,7 +12,8 @@ from tests.mcore_cpu.fixtures import cuda_redirect, mcore_parallel  # noqa: F401
 @pytest.fixture(scope="module")
 def mbridge():
     """megatron-bridge 0.6.x imported through the CPU shims, `DSV41Bridge` registered and the megatron-bridge
-    runtime twins applied for the module (reverted after it, so no later test sees them); -> the package."""
+    runtime twins applied for the module (they and the twins they pulled in are reverted after it, so no later
+    test sees them); -> the package."""
     if importlib.util.find_spec("megatron.bridge") is None:
         pytest.skip("megatron-bridge is not installed")
     from tests.mbridge import shim
@@ -21,10 +22,13 @@ def mbridge():
     from dsv4flash import _patching
     from dsv4flash.integrations import mbridge
 
+    active_before = {t.meta.patch_id for t in _patching.REGISTRY.all() if t.applied}
     mbridge.register()
     yield mbridge
+    # Every twin the registration applied, the megatron-core twins its Depends-On pulled in too (DSV41-MBRIDGE-005
+    # applies DSV41-MCORE-012 and, through it, 004/003/001).
     for twin in reversed(_patching.REGISTRY.all()):
-        if twin.meta.distribution == "megatron-bridge" and twin.applied:
+        if twin.applied and twin.meta.patch_id not in active_before:
             twin.revert()
 
 
