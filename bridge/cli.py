@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Subcommands and their options."""
@@ -43,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run one action; a bad checkpoint, a bad argument or a failed write prints one line and returns 2."""
-    from dsv4flash.census import CensusError
+    import torch
+
+    from dsv4flash.release.census import CensusError
     from dsv4flash.config import ConfigError
     from dsv4flash_bridge.codecs import CodecError
     from dsv4flash_bridge.convert import ConvertError, export_release, import_release

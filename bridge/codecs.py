@@ -1,4 +1,4 @@
-"""Stored quantization codecs of the release checkpoint (architecture.md §9), vectorised torch.
+"""Stored quantization codecs of the release checkpoint (docs/architecture.md §9), vectorised torch.
 
 Three layouts, one scale rule:
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4flash.quant_plan import QuantRole
+from dsv4flash.release.quant_plan import QuantRole
 
 __all__ = [
     "CodecError", "BLOCK", "E4M3_MAX", "E2M1_MAX", "canonical_e8m0", "decode", "encode",

@@ -41,7 +41,7 @@ def bench_convert(config: str = "mid", scale: float = 1.0, chunk_bytes: int = 32
     import sys
     import tempfile
 
-    from dsv4flash.census import census
+    from dsv4flash.release.census import census
     from dsv4flash_bridge.synthetic import largest_tensor_bytes, mid_config, write_release_checkpoint
 
     cfg = mid_config(hidden=512, experts=4, vocab=8192, engram_rows=max(2048, int((1 << 18) * scale))) \

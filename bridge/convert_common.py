@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dsv4flash.atomic_io import write_bytes_atomic
-from dsv4flash.quant_plan import QuantRole, quant_role, scale_name
+from dsv4flash.release.quant_plan import QuantRole, quant_role, scale_name
 from dsv4flash_bridge.safetensors_io import TensorInfo
 from dsv4flash_bridge.sharded import CheckpointReader
 

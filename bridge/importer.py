@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from dsv4flash.census import census, diff_census
+from dsv4flash.release.census import census, diff_census
 from dsv4flash.config import DSV41FlashConfig
-from dsv4flash.quant_plan import QuantRole, StoredTensor
+from dsv4flash.release.quant_plan import QuantRole, StoredTensor
 from dsv4flash_bridge import codecs
 from dsv4flash_bridge.convert_common import (DEFAULT_CHUNK_BYTES, LAYOUT_FILE, LAYOUT_FORMAT, SIDECAR, ConvertError,
                                              Summary, check_copy, chunk_rows, copy_files, copy_rows, logical_shape,

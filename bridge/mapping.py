@@ -7,9 +7,9 @@ Three namespaces:
   built on the release's module tree, so this map is the identity on every non-scale name (declared by
   `reference_name`, checked by the tests against the model itself);
 - **megatron**: the names of the Megatron-Core model (`dsv4flash.integrations.mcore.csa2`) for the text
-  stack and its first-stage ViT, aligner and image delimiters (`csa2/vision.py`), and megatron-bridge-style
-  names for DSpark `mtp.*` (which that model does not build), so that a Megatron-named import and a
-  Megatron-Bridge registry cover the whole checkpoint.
+  stack and its first-stage ViT, aligner and image delimiters (megatron-bridge's `deepseek_v41_vision.py`),
+  and megatron-bridge-style names for DSpark `mtp.*` (which that model does not build), so that a
+  Megatron-named import and a Megatron-Bridge registry cover the whole checkpoint.
 
 A `Rule` is declarative, like a Megatron-Bridge `MegatronParamMapping`: a Megatron pattern, one or more
 release patterns (`*` = one integer index, captured in order and shared by every pattern of the rule), the
@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from dsv4flash.quant_plan import QuantRole, quant_role, scale_name
+from dsv4flash.release.quant_plan import QuantRole, quant_role, scale_name
 
 __all__ = ["Rule", "Mapped", "MappingError", "RULES", "LAYOUTS", "resolve", "megatron_lookup", "release_lookup",
            "reference_name", "is_carried_scale", "megatron_names"]
@@ -113,8 +113,8 @@ def _block(rel: str, meg: str, part: str) -> list[Rule]:
         Rule(att + "indexer.linear_weights_proj.weight", (rel + "attn.indexer.weights_proj.weight",), "rows"),
         Rule(att + "indexer.linear_k.weight", (rel + "attn.indexer.wk.weight",), "rows"),
         Rule(att + "indexer.k_layernorm.weight", (rel + "attn.indexer.k_norm.weight",), "copy"),
-        *(Rule(f"{meg}hyper_connection.{site}_{p}", (f"{rel}hc_{site}_{p}",), "copy")
-          for site in ("attn", "ffn") for p in ("fn", "base", "scale")),
+        *(Rule(f"{meg}{module}_hyper_connection.{p}", (f"{rel}hc_{site}_{p}",), "copy")
+          for site, module in (("attn", "self_attn"), ("ffn", "mlp")) for p in ("fn", "base", "scale")),
         Rule(meg + "mlp.router.weight", (rel + "ffn.gate.weight",), "copy"),
         Rule(meg + "mlp.router.expert_bias", (rel + "ffn.gate.bias",), "copy"),
         Rule(meg + "mlp.router.image_balance.expert_bias", (rel + "ffn.gate.bias_vl",), "copy"),

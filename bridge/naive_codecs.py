@@ -1,4 +1,4 @@
-"""Per-element reference decoders written straight from the format definitions (architecture.md §9).
+"""Per-element reference decoders written straight from the format definitions (docs/architecture.md §9).
 
 Pure Python, one element at a time, no torch float8 conversion: the independent oracle the vectorised
 codecs in `codecs.py` are tested against, and the "naive decode" baseline of `python -m dsv4flash.bench

@@ -1,6 +1,6 @@
 """Synthetic checkpoints in the exact release layout, so tests and benchmarks run on real-format bytes.
 
-`write_release_checkpoint(dst, "tiny")` writes every tensor of a config's census (`dsv4flash.census`):
+`write_release_checkpoint(dst, "tiny")` writes every tensor of a config's census (`dsv4flash.release.census`):
 sharded safetensors laid out as the `safetensors` library lays them out, `model.safetensors.index.json`
 and `config.json`. Quantized weights are Gaussian weights run through the release codecs, so codes and
 scales are real encodings; every tensor is generated and written in row chunks (bounded memory, Engram
@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from dsv4flash.quant_plan import QuantRole, StoredTensor, quant_role, scale_name, stored_layout
+from dsv4flash.release.quant_plan import QuantRole, StoredTensor, quant_role, scale_name, stored_layout
 from dsv4flash_bridge import codecs
 from dsv4flash_bridge.safetensors_io import SafetensorsWriter, TensorSpec, all_or_nothing, library_order
 from dsv4flash_bridge.sharded import write_index
@@ -111,7 +111,7 @@ def write_release_checkpoint(dst: str | Path, config="tiny", *, rows: Sequence[S
 
     `rows` overrides the census (any release-named tensors, e.g. for benchmarks); `config.json` is written
     only when `config` is given and `rows` is not."""
-    from dsv4flash.census import census
+    from dsv4flash.release.census import census
     from dsv4flash.config import load_config
 
     dst = Path(dst)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI gate for the upstream patch series (style.md §8 steps 1-4 plus the both-forms tests).
+# CI gate for the upstream patch series (docs/patches.md: `check` steps 1-7, then the both-forms tests).
 #   bash ci/check_patches.sh [extra `dsv4flash patches check` options, e.g. --upstream megatron-lm]
 # Pinned releases come from the package index exactly as base.txt pins them (sha256-verified) and are
 # cached in $DSV4FLASH_CACHE_DIR (default ~/.cache/dsv4flash): cache that folder in CI, keyed on

@@ -4,7 +4,7 @@ import sys
 import zipfile
 
 # Packages vllm declares that are CUDA builds or only serve GPU kernels; torch comes from our pin,
-# transformers/tokenizers/huggingface_hub from the verl-compatible pin (see install.md).
+# transformers/tokenizers/huggingface_hub from the verl-compatible pin (see ci/install_sides.md).
 GPU_ONLY = {
     "torch", "torchaudio", "torchvision", "torchcodec", "pynvvideocodec", "flashinfer-python",
     "apache-tvm-ffi", "tilelang", "nvidia-cudnn-frontend", "nvtx", "fastsafetensors", "instanttensor",

@@ -162,7 +162,7 @@ _ROOT_KEYS = (
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Derived CSA2 role of one block (architecture.md §1.3): who it reads from and what it publishes."""
+    """Derived CSA2 role of one block (docs/architecture.md §1.3): who it reads from and what it publishes."""
 
     layer_id: int
     ratio: int
@@ -204,7 +204,7 @@ class LayerPlan:
 
 @dataclass(frozen=True)
 class EngramLayout:
-    """Prime-sized bucket layout and hash multipliers of one Engram layer (architecture.md §6)."""
+    """Prime-sized bucket layout and hash multipliers of one Engram layer (docs/architecture.md §6)."""
 
     layer_id: int
     primes: tuple[tuple[int, ...], ...]  # [order n = 2..max][head]

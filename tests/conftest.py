@@ -15,7 +15,9 @@ import torch  # noqa: E402
 DATA = Path(__file__).parent / "data"
 
 # The both-forms patch harness (`patch_form` fixture and its hooks; they act only on tests that use it).
-pytest_plugins = ["dsv4flash.patchseries.testing"]
+# `tests._timing`: the slowest-phases table, per-directory totals and the time budget printed at the end;
+# `tests._scheduling`: the work units of pytest-xdist's `--dist loadgroup` (whole_machine tests, module fixtures).
+pytest_plugins = ["dsv4flash.patchseries.testing", "tests._timing", "tests._scheduling"]
 
 
 # With DSV4FLASH_STRICT_SKIPS=1 (set by `ci/install.sh test`, so by CI) a skip is a failure unless it is one of
@@ -69,6 +71,37 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _user_data_dir(request, tmp_path_factory):
+    """Training runs publish into, and `dsv4flash serve` reads, the user's store ($XDG_DATA_HOME/dsv4flash/store,
+    dsv4flash/lifecycle/default_store.py): in the suite a session temp dir (inherited by subprocesses), never the
+    real one; $DSV4FLASH_STORE, which would override it, is unset. $DSV4FLASH_CACHE, unless set, is pytest's cache
+    dir (the one `pretrained_base` builds into)."""
+    saved = {key: os.environ.get(key) for key in ("XDG_DATA_HOME", "DSV4FLASH_STORE", "DSV4FLASH_CACHE")}
+    os.environ["XDG_DATA_HOME"] = str(tmp_path_factory.mktemp("xdg_data"))
+    os.environ.pop("DSV4FLASH_STORE", None)
+    # the trained tiny base a CLI run defaults to (veRL's model.hf_path, serve --base tiny) is pretrained_base's
+    # slot, not one built again under ~/.cache
+    if not os.environ.get("DSV4FLASH_CACHE") and request.config.cache is not None:
+        os.environ["DSV4FLASH_CACHE"] = str(request.config.cache.mkdir("dsv4flash"))
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture
+def empty_default_store(tmp_path_factory, monkeypatch):
+    """A test of its own user's store (a fresh $XDG_DATA_HOME, inherited by subprocesses): for tests that read the
+    default store's whole content, which other tests' runs publish into during the session."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg_own")))
+    from dsv4flash.lifecycle.default_store import default_store
+
+    return default_store()
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for the test (tiny-model ops), the previous count restored after."""
@@ -80,7 +113,7 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
-    """The tiny test config (architecture.md §14)."""
+    """The tiny test config (docs/architecture.md §14)."""
     from dsv4flash.config import load_config
 
     return load_config("tiny")
@@ -93,3 +126,73 @@ def tiny_model(tiny_cfg):
 
     torch.manual_seed(0)
     return Transformer(tiny_cfg, seed=0)
+
+
+@pytest.fixture(scope="session")
+def pretrained_base(request, tmp_path_factory):
+    """The trained tiny base the main job uses (`+recipe=pretrain_tiny`), built once per machine into pytest's
+    cache dir ($DSV4FLASH_CACHE when set): its slot is keyed by the pretrain config and the sources of the
+    tasks, the engine and the model (dsv4flash/train/base_cache.py), so a stale base is never reused, and a
+    file lock makes concurrent workers build it once."""
+    from dsv4flash.train.base_cache import ensure_base
+    from dsv4flash.train.compose import compose, to_train_config
+
+    cache = os.environ.get("DSV4FLASH_CACHE")
+    if not cache:
+        cache = request.config.cache.mkdir("dsv4flash") if request.config.cache else tmp_path_factory.mktemp("cache")
+    return ensure_base(to_train_config(compose("decoder_lora", [f"model.cache_dir={cache}"])))
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """DSN (libpq keywords) of the suite's throwaway PostgreSQL server: Debian's package (`ci/install_postgres.sh`),
+    initdb in a temp dir, run as a non-root user (postgres refuses root), listening only on a unix socket, started
+    on first use and stopped at the end of the session (of each xdist worker that uses it)."""
+    from dsv4flash.lifecycle.catalog.pg_local import postgres_bin, throwaway_server
+
+    if postgres_bin() is None:
+        pytest.skip("PostgreSQL server not installed (run ci/install_postgres.sh)")
+    import psycopg  # noqa: F401  (a test dependency: ci/install.sh test)
+    yield from _running(throwaway_server)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """Endpoint URL of the suite's throwaway S3-protocol server (moto, dsv4flash/lifecycle/s3_local.py) on 127.0.0.1,
+    started on first use and stopped at the end of the session (of each xdist worker that uses it)."""
+    from dsv4flash.lifecycle.s3_local import throwaway_s3_server
+
+    yield from _running(throwaway_s3_server)
+
+
+def _running(make_server):
+    """Start a throwaway server (a context manager; a start failure fails the test), yield what it gives, stop it."""
+    try:
+        server = make_server()
+        value = server.__enter__()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    try:
+        yield value
+    finally:
+        server.__exit__(None, None, None)
+
+
+@pytest.fixture()
+def s3_url(s3_server, monkeypatch, tmp_path):
+    """`s3://<fresh bucket>/store` on the session's S3 server, the client environment pointing at it (undone after)."""
+    import uuid
+
+    import boto3
+
+    from dsv4flash.lifecycle.s3_local import S3_TEST_ENV
+
+    for key in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {**S3_TEST_ENV, "AWS_ENDPOINT_URL_S3": s3_server,
+                       "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
+                       "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials")}.items():
+        monkeypatch.setenv(key, value)
+    bucket = f"t-{uuid.uuid4().hex[:20]}"
+    boto3.session.Session().client("s3").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/store"

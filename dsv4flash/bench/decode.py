@@ -150,10 +150,10 @@ def v41_prompt_cache_bytes(prompt: int, elem: int = 2) -> tuple[int, int]:
 def _memory_part(args, rep: BenchReport) -> None:
     from dsv4flash.lora import LoraConfig
     from dsv4flash.model.cache import storage_bytes
-    from dsv4flash.service.compute.resident import ResidentBase
+    from dsv4flash.engine.resident import ResidentBase
     from dsv4flash.service.compute.shared_encoder import multi_adapter_logits
 
-    resident = ResidentBase("tiny")
+    resident = ResidentBase("tiny", device="cpu")  # the CPU figures
     pc = LoraConfig(preset="decoder_half", rank=4)
     gen = torch.Generator().manual_seed(0)
     adapters = [(pc, {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in resident.fresh_adapter(pc).items()})

@@ -108,7 +108,7 @@ def _measure_tiny(preset: str, rank: int, repeats: int, work: Path) -> dict:
 
 def v41_bytes(preset: str, rank: int) -> tuple[int, int]:
     """(adapter bytes, merged full checkpoint bytes) at the release shape (see the module docstring)."""
-    from dsv4flash.census import census
+    from dsv4flash.release.census import census
     from dsv4flash.lora import LoraConfig, plan_lora
     from dsv4flash.model.transformer import Transformer
 

@@ -42,10 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _shared(args, rep: BenchReport) -> dict:
     from dsv4flash.lora import LoraConfig
-    from dsv4flash.service.compute.resident import ResidentBase
+    from dsv4flash.engine.resident import ResidentBase
     from dsv4flash.service.compute.shared_encoder import multi_adapter_logits
 
-    resident = ResidentBase("tiny")
+    resident = ResidentBase("tiny", device="cpu")  # the CPU figures
     pc = LoraConfig(preset="decoder_half", rank=8)
     gen = torch.Generator().manual_seed(0)
     adapters = [(pc, {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in resident.fresh_adapter(pc).items()})
@@ -114,10 +114,10 @@ def _sampling(args, rep: BenchReport) -> dict:
     (`multi_adapter_decode`), with the 8 decoder halves one per adapter or as one bit-exact batch (the
     default). All are bit-equal per adapter (tests/service/test_shared_encoder.py)."""
     from dsv4flash.lora import LoraConfig
-    from dsv4flash.service.compute.resident import ResidentBase
+    from dsv4flash.engine.resident import ResidentBase
     from dsv4flash.service.compute.shared_encoder import multi_adapter_decode, multi_adapter_logits
 
-    resident = ResidentBase("tiny")
+    resident = ResidentBase("tiny", device="cpu")  # the CPU figures
     pc = LoraConfig(preset="decoder_half", rank=8)
     gen = torch.Generator().manual_seed(0)
     adapters = [(pc, {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in resident.fresh_adapter(pc).items()})

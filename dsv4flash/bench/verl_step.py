@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=4, help="samples per prompt (default 4)")
     parser.add_argument("--workdir", help="keep the runs here (default: a temporary directory)")
     parser.add_argument("--plot", metavar="PNG", help="also write a stacked bar chart of the phases")
+    parser.add_argument("--verl-log", metavar="LOG", help="read the veRL side from this finished run's log instead "
+                        "of running one (its steps, prompts and group size must be the options given; needs --base)")
+    parser.add_argument("--base", metavar="DIR", help="with --verl-log: the base directory that run trained on")
 
 
 def step_metrics(log: str) -> dict[int, dict[str, float]]:
@@ -61,13 +64,26 @@ def step_metrics(log: str) -> dict[int, dict[str, float]]:
     return out
 
 
-def _run_verl(base: Path, out: Path, args) -> dict[int, dict[str, float]]:
+def _agent_loop_workers() -> int:
+    """The CPU recipe's agent-loop worker count (veRL's default, 8, when it sets none)."""
+    from dsv4flash.train.compose import compose, to_train_config
+
+    workers = to_train_config(compose("decoder_lora_verl_cpu", ["model.hf_path=unused"])).engine.agent_loop_workers
+    return workers or 8
+
+
+def verl_cpu_env() -> dict[str, str]:
+    """The environment of a CPU veRL run: the CPU platform, gloo on the loopback interface, no usage reporting."""
     # megatron-core writes NVTE_*_ATTN into os.environ for the backend of any model this process built; the
     # run picks its own backend and refuses inherited values that disagree.
     env = {k: v for k, v in os.environ.items() if k not in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")}
-    env.update(VERL_PLATFORM="cpu", GLOO_SOCKET_IFNAME="lo", RAY_USAGE_STATS_ENABLED="0")
+    return {**env, "VERL_PLATFORM": "cpu", "GLOO_SOCKET_IFNAME": "lo", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _run_verl(base: Path, out: Path, args) -> dict[int, dict[str, float]]:
+    env = verl_cpu_env()
     cmd = [sys.executable, "-m", "dsv4flash.train", "+recipe=decoder_lora_verl_cpu", f"model.hf_path={base}",
-           f"output_dir={out}", f"engine.total_training_steps={args.steps}", f"engine.train_batch_size={args.prompts}",
+           f"output_dir={out}", f"lifecycle.root={out / 'lifecycle'}", f"engine.total_training_steps={args.steps}", f"engine.train_batch_size={args.prompts}",
            f"engine.ppo_mini_batch_size={args.prompts}", f"algorithm.group_size={args.group_size}"]
     print(f"verl_step: veRL GRPO, {args.steps} steps ({' '.join(cmd[3:])})", file=sys.stderr)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -105,14 +121,21 @@ def run(args: argparse.Namespace) -> BenchReport:
 
     if args.steps < 2:
         raise SystemExit("verl_step: --steps must be >= 2 (the first step is warm-up)")
-    if (args.prompts * args.group_size) % 8:
+    workers = _agent_loop_workers()
+    if (args.prompts * args.group_size) % workers:
         raise SystemExit(f"verl_step: --prompts × --group-size ({args.prompts * args.group_size}) must be a multiple "
-                         "of 8: veRL splits each batch evenly over its 8 agent-loop workers")
+                         f"of {workers}: veRL splits each batch evenly over its {workers} agent-loop workers")
+    if bool(args.verl_log) != bool(args.base):
+        raise SystemExit("verl_step: --verl-log and --base go together (a finished run's log and its base)")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_verl_step_"))
     try:
-        cfg = load_config("tiny")
-        base = save_base(Transformer(cfg, seed=0), cfg, TaskTokenizer(cfg), work / "base", {"kind": "bench"})
-        verl = _run_verl(base, work / "verl", args)
+        if args.verl_log:
+            # a run already made (the test suite's shared veRL run): its own log holds veRL's per-step timings
+            base, verl = Path(args.base), step_metrics(Path(args.verl_log).read_text())
+        else:
+            cfg = load_config("tiny")
+            base = save_base(Transformer(cfg, seed=0), cfg, TaskTokenizer(cfg), work / "base", {"kind": "bench"})
+            verl = _run_verl(base, work / "verl", args)
         embedded = _run_embedded(base, work / "embedded", args)
     finally:
         if not args.workdir:

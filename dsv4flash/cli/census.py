@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dsv4flash.census import CensusError, checkpoint_census, census, diff_census, format_tsv
-from dsv4flash.config import FLAVOURS, ConfigError
+from dsv4flash.config import FLAVOURS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the census (TSV) or the differences against a checkpoint (exit 1 when any, 2 on a bad input)."""
+    from dsv4flash.release.census import CensusError, checkpoint_census, census, diff_census, format_tsv
+    from dsv4flash.config import ConfigError
+
     try:
         expected = census(args.config)
         actual = checkpoint_census(args.checkpoint) if args.checkpoint else None

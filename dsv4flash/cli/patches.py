@@ -13,9 +13,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from dsv4flash import _patching
+from dsv4flash.patching import predicate, twins
 from dsv4flash.patchseries import check as check_mod
-from dsv4flash.patchseries import fetch, gitops, index, predicate, testrun
+from dsv4flash.patchseries import fetch, gitops, index, testrun
 from dsv4flash.patchseries.series import UPSTREAM_FOLDERS, Problem, Series, SeriesError, load_series
 
 
@@ -27,7 +27,7 @@ def _console() -> Console:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Subcommands and their options."""
     parser.add_argument("--patches-dir", type=Path, help="the series folder (default: ./patches of the checkout)")
-    parser.add_argument("--twin-package", default=_patching.TWIN_PACKAGE_ROOT,
+    parser.add_argument("--twin-package", default=twins.TWIN_PACKAGE_ROOT,
                         help="package whose <integration>.patches modules hold the runtime twins")
     sub = parser.add_subparsers(dest="action", required=True)
 
@@ -108,7 +108,7 @@ def _print_problems(console: Console, problems: list[Problem]) -> None:
 def cmd_list(args: argparse.Namespace) -> int:
     """Print one row per Patch-Id covering both forms."""
     _, series_map = _load(args)
-    registry = _patching.discover(args.twin_package)
+    registry = twins.discover(args.twin_package)
     rows: dict[str, dict] = {}
     for name, s in series_map.items():
         for p in s.patches:
@@ -149,7 +149,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     """The CI gate: metadata, both forms present, generated index fresh, patches apply alone and in series."""
     console = _console()
     patches_dir, series_map = _load(args)
-    registry = _patching.discover(args.twin_package)
+    registry = twins.discover(args.twin_package)
     # The project's own series must have all four upstream folders; an explicit --patches-dir may hold any.
     required = UPSTREAM_FOLDERS if args.patches_dir is None else ()
     report = check_mod.run_check(series_map, patches_dir.parent, registry, _opts(args), tuple(args.upstream),
@@ -213,7 +213,7 @@ def _parse_installed(values: list[str]) -> dict[str, str]:
 def cmd_status(args: argparse.Namespace) -> int:
     """Evaluate each Remove-When; exit 1 if any patch is obsolete (its removal condition holds)."""
     _, series_map = _load(args)
-    registry = _patching.discover(args.twin_package)
+    registry = twins.discover(args.twin_package)
     overrides = _parse_installed(args.installed)
     rows = []
     entries = {p.patch_id: (p.one("Remove-When"), s.base.distribution) for s in series_map.values() for p in s.patches}
@@ -289,6 +289,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         return handler(args)
     except (SeriesError, fetch.FetchError, gitops.GitError, predicate.PredicateError,
-            _patching.UnknownPatch) as exc:
+            twins.UnknownPatch) as exc:
         print(f"dsv4flash patches {args.action}: {exc}", file=sys.stderr)
         return 1

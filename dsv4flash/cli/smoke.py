@@ -21,7 +21,7 @@ def main() -> int:
     import numpy as np
     import torch
 
-    from dsv4flash.census import census
+    from dsv4flash.release.census import census
     from dsv4flash.config import load_config
     from dsv4flash.model.image import prepare_vl_inputs
     from dsv4flash.model.transformer import Transformer

@@ -1,7 +1,7 @@
 """CPU development mode for megatron-bridge 0.6.2: let the real package import on a CPU-only Python 3.11 machine.
 
-megatron-bridge declares Python >= 3.12 and imports Transformer Engine unconditionally (install.md item 3,
-upstream.md §0): `megatron.training` does `from typing import override` (3.12+), and `import megatron.bridge`
+megatron-bridge declares Python >= 3.12 and imports Transformer Engine unconditionally (docs/upstream.md §0,
+ci/install_sides.md): `megatron.training` does `from typing import override` (3.12+), and `import megatron.bridge`
 reaches `peft/lora_layers.py: import transformer_engine.pytorch`. `install()`:
 
 1. backports `typing.override` from `typing_extensions`;

@@ -23,6 +23,7 @@ import sys
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils._device import _device_constructors
 
 _CPU = torch.device("cpu")
 _FACTORIES = (
@@ -248,6 +249,10 @@ def install() -> None:
         return
     from megatron.core.tensor_parallel import random as mcore_random  # must exist before we patch it
 
+    # `with torch.device(...)` applies to the functions in this cached set; built while the factories below are
+    # wrapped it would hold the wrappers, and meta/device contexts would stop working for the originals (and,
+    # during the redirect, for the wrappers too), so it is built from the originals first.
+    _device_constructors()
     cuda = torch.cuda
     _replace(cuda, "current_device", lambda: _CPU)
     for owner in (cuda, cuda.random):
@@ -300,6 +305,7 @@ def uninstall() -> None:
             owner.removeFilter(original)
         else:
             setattr(owner, name, original)
+    _device_constructors.cache_clear()  # in case something built it from the wrappers meanwhile
 
 
 @contextlib.contextmanager

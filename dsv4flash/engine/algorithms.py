@@ -75,7 +75,8 @@ class Pretrain:
         batch = ctx.encoder.batch([ex for _, ex in ctx.mixture.train_batch(step, ctx.batch_size)],
                                   score_prompt=self.score_prompt)
         loss = sft_loss(_logp(ctx.train_forward, batch), batch.target_mask)
-        return {"loss": float(loss.detach()), "grad_norm": apply_update(ctx, loss)}
+        # `tokens`: positions of the step's batch (padding included), the engine's tokens/s; not a logged metric
+        return {"loss": float(loss.detach()), "grad_norm": apply_update(ctx, loss), "tokens": batch.input_ids.numel()}
 
 
 class SFT(Pretrain):
@@ -105,7 +106,8 @@ class DPO:
             ref = sequence_logprob(_logp(ctx.ref_model, batch), batch.target_mask)
         pol = sequence_logprob(_logp(ctx.train_forward, batch), batch.target_mask)
         loss, stats = dpo_loss(pol[:n], pol[n:], ref[:n], ref[n:], self.cfg.beta)
-        return {"loss": float(loss.detach()), **stats, "grad_norm": apply_update(ctx, loss)}
+        return {"loss": float(loss.detach()), **stats, "grad_norm": apply_update(ctx, loss),
+                "tokens": batch.input_ids.numel()}
 
 
 class GRPO:
@@ -181,7 +183,7 @@ class GRPO:
                 kl.append(pstats["approx_kl"])
         metrics.update({"loss": sum(losses) / len(losses), "grad_norm": sum(norms) / len(norms),
                         "clip_fraction": sum(clipfrac) / len(clipfrac), "approx_kl": sum(kl) / len(kl),
-                        "advantage_abs_mean": float(adv.abs().mean())})
+                        "advantage_abs_mean": float(adv.abs().mean()), "tokens": batch.input_ids.numel()})
         return metrics
 
 

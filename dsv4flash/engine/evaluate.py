@@ -14,8 +14,10 @@ from dsv4flash.tasks.dataset import Encoder, TaskMixture
 
 @torch.no_grad()
 def evaluate(forward: Callable, encoder: Encoder, mixture: TaskMixture, *, batch_size: int = 32,
-             decode: bool = True, max_new_tokens: int = 8) -> dict[str, float]:
-    """-> val_loss (mean NLL per answer token, eos included) and, with `decode`, val_reward (greedy) per task."""
+             decode: bool = True, max_new_tokens: int = 8,
+             on_batch: Callable[[int], None] | None = None) -> dict[str, float]:
+    """-> val_loss (mean NLL per answer token, eos included) and, with `decode`, val_reward (greedy) per task;
+    `on_batch(n)` after each batch of n examples (progress)."""
     nll_sum, n_tokens = 0.0, 0
     rewards: dict[str, list[float]] = defaultdict(list)
     val = mixture.val
@@ -31,6 +33,8 @@ def evaluate(forward: Callable, encoder: Encoder, mixture: TaskMixture, *, batch
                            pad_id=encoder.tok.pad_id, temperature=0.0)
             for i, (name, ex) in enumerate(chunk):
                 rewards[name].append(mixture.reward(name, ex, encoder.tok.decode(out.response(i))))
+        if on_batch is not None:
+            on_batch(len(chunk))
     metrics = {"val_loss": nll_sum / max(n_tokens, 1)}
     if decode:
         every = [r for values in rewards.values() for r in values]

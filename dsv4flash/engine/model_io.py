@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from dsv4flash.config import DSV41FlashConfig, load_config
+from dsv4flash.engine.fingerprint import MANIFEST
 
 WEIGHTS = "model.safetensors"
-MANIFEST = "base.json"
 
 
 class BaseCheckpointError(ValueError):
@@ -63,7 +63,7 @@ def save_base(model: nn.Module, cfg: DSV41FlashConfig, tokenizer, directory: str
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
                  if k in dict(model.named_parameters())}
         # One metadata key only: safetensors writes the metadata map in hash order, so two keys could
         # make identical weights hash differently.

@@ -36,7 +36,7 @@ def _files(directory: Path) -> dict[str, bytes]:
 
 def _variant(ctx, edit, name: str = "src", seed: int = 1) -> Path:
     """A tiny release checkpoint whose census rows went through `edit(rows) -> rows`, with tiny's config.json."""
-    from dsv4flash.census import census
+    from dsv4flash.release.census import census
     from dsv4flash.config import load_config
     from dsv4flash_bridge.synthetic import write_release_checkpoint
 
@@ -46,7 +46,7 @@ def _variant(ctx, edit, name: str = "src", seed: int = 1) -> Path:
 
 
 def _resized(rows, names: set[str], first_dim: int):
-    from dsv4flash.quant_plan import StoredTensor
+    from dsv4flash.release.quant_plan import StoredTensor
 
     return [StoredTensor(r.name, r.dtype, (first_dim, *r.shape[1:])) if r.name in names else r for r in rows]
 
@@ -207,7 +207,7 @@ def census_short_engram(ctx):
 
 
 def _with_extra(rows):
-    from dsv4flash.quant_plan import StoredTensor
+    from dsv4flash.release.quant_plan import StoredTensor
 
     return rows + [StoredTensor("layers.0.attn.extra_probe.bias", "BF16", (8,))]
 

@@ -118,9 +118,9 @@ class FaultContext:
 
     def resident(self):
         """The resident tiny base every service case shares."""
-        from dsv4flash.service.compute.resident import ResidentBase
+        from dsv4flash.engine.resident import ResidentBase
 
-        return self.cached("resident", lambda: ResidentBase("tiny", seed=0))
+        return self.cached("resident", lambda: ResidentBase("tiny", seed=0, device="cpu"))
 
     def service(self):
         """A service client over the shared resident base, storing under this case's directory."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from dsv4flash.faultcases import DataLost, SilentWrong, case
+from dsv4flash.faultcases import DataLost, LeftBehind, SilentWrong, case
 
 TOKENS = [0, 5, 6, 7, 8, 9]
 
@@ -133,7 +133,10 @@ def negative_token(ctx):
 
 @case("service", "float target tokens", match=r"target_tokens position 0: token id 5\.5")
 def float_target_tokens(ctx):
-    return _refused_training(ctx, lambda tc: tc.forward([_datum(target_tokens=[5.5, 6, 7, 8, 9])],
+    import numpy as np
+
+    # As an array: tinker's own Datum casts a list of numbers to the key's dtype (int64) before any server sees it.
+    return _refused_training(ctx, lambda tc: tc.forward([_datum(target_tokens=np.array([5.5, 6, 7, 8, 9]))],
                                                         "cross_entropy").result())
 
 
@@ -328,3 +331,208 @@ def load_missing_state(ctx):
 @case("service", "load_state of a malformed path", match=r"expected tinker://<run>/weights/<name>")
 def load_bad_path(ctx):
     return _refused_training(ctx, lambda tc: tc.load_state("s3://bucket/key").result())
+
+
+# ------------------------------------------------------------------------------------------ careless and hostile clients
+def _plane(ctx):
+    """A PolicyServer (the HTTP server's plane) over this case's store, and a session of tenant `t` on it."""
+    from dsv4flash.service.plane.policy_server import PolicyServer
+
+    plane = PolicyServer(ctx.service(), phase_scheduler=False)
+    return plane, plane.create_session("t", None)
+
+
+_LORA = {"rank": 2, "preset": "decoder_half", "seed": 3}
+
+
+@case("service", "an empty JWT signing secret is refused, not signed with (any token would verify)",
+      match=r"jwt_secret: the JWT signing secret is 0 bytes, expected at least 32")
+def empty_jwt_secret(ctx):
+    from dsv4flash.service.plane.keys import TokenSigner
+
+    path = ctx.tmp / "jwt_secret"
+    path.write_bytes(b"")
+    failure = ctx.must_fail(lambda: TokenSigner(path))
+    if path.read_bytes():
+        raise SilentWrong("the refused secret file was replaced")
+    return failure
+
+
+@case("service", "a retried create_model (same session and model_seq_id) returns the live run, its steps kept",
+      expect="correct result")
+def retried_create_model(ctx):
+    from dsv4flash.service import types
+
+    plane, sid = _plane(ctx)
+    try:
+        model_id = plane.create_model("t", sid, 0, "tiny", dict(_LORA), None).result()
+        tc = plane.model("t", model_id)
+        tc.forward_backward([_datum()], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        weights = _snapshot(tc)
+        if plane.create_model("t", sid, 0, "tiny", dict(_LORA), None).result() != model_id:
+            raise SilentWrong("the retry answered another model id")
+        if plane.model("t", model_id) is not tc:
+            raise DataLost("the retry replaced the live run: the acknowledged optim_step is gone")
+        _unchanged(tc, weights)
+    finally:
+        plane.close()
+
+
+@case("service", "another create_model under the same session and model_seq_id is refused",
+      match=r"model_seq_id: 0 of session s\w+ already names model s\w+:train:0, created by another request")
+def conflicting_create_model(ctx):
+    plane, sid = _plane(ctx)
+    try:
+        model_id = plane.create_model("t", sid, 0, "tiny", dict(_LORA), None).result()
+        tc = plane.model("t", model_id)
+        failure = ctx.must_fail(lambda: plane.create_model("t", sid, 0, "tiny", {**_LORA, "rank": 4}, None))
+        if plane.model("t", model_id) is not tc:
+            raise DataLost("the refused request replaced the live run")
+        return failure
+    finally:
+        plane.close()
+
+
+@case("service", "a checkpoint name deleted and saved again is sampled with its new weights", expect="correct result")
+def resaved_name_samples_new_weights(ctx):
+    import torch
+
+    from dsv4flash.service import types
+
+    plane, _ = _plane(ctx)
+    try:
+        service = plane.service
+        tc = service.create_lora_training_client(**_LORA)
+        path = tc.save_weights_for_sampler("same").result().path
+        plane.path_sampler("t", path)  # what a stateless asample by path keeps
+        service.delete_checkpoint(path)
+        tc.forward_backward([_datum()], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        tc.save_weights_for_sampler("same").result()
+        sampler = plane.path_sampler("t", path)
+        if not all(torch.equal(sampler.adapter[k], p.detach()) for k, p in tc.adapter.items()):
+            raise SilentWrong(f"sampling {path} uses the deleted checkpoint's weights")
+    finally:
+        plane.close()
+
+
+@case("service", "an expired checkpoint is not readable through its mint:// spelling",
+      match=r"checkpoint mint://\S+/sampler_weights/brief: expired")
+def expired_mint_spelling(ctx):
+    import time
+
+    tc = _trainer(ctx)
+    path = tc.save_weights_for_sampler("brief", ttl_seconds=60).result().path
+    tc.service.checkpoints.set(path, ttl_seconds=1, now=time.time() - 10)  # expired nine seconds ago
+    return ctx.must_fail(lambda: tc.service.create_sampling_client(path.replace("tinker://", "mint://", 1)))
+
+
+def _refused_save(ctx, save, tag: str):
+    tc = _trainer(ctx)
+    failure = ctx.must_fail(lambda: save(tc).result())
+    if tag in tc.service.store.catalog.tags(tc.run_id):
+        raise LeftBehind(f"the save was refused, but {tag} was published")
+    return failure
+
+
+@case("service", "ttl_seconds = 10**30 is refused before saving (it made every later listing fail)",
+      match=r"ttl_seconds: expected a number of seconds in \[1, 315360000\] \(10 years\) or null, got 10{30}")
+def huge_ttl(ctx):
+    return _refused_save(ctx, lambda tc: tc.save_state("far", ttl_seconds=10**30), "weights.far")
+
+
+@case("service", "ttl_seconds = True is refused, not taken as 1 second", match=r"ttl_seconds: .* got True")
+def bool_ttl(ctx):
+    return _refused_save(ctx, lambda tc: tc.save_weights_for_sampler("flag", ttl_seconds=True),
+                         "sampler_weights.flag")
+
+
+@case("service", "a stored expiry no clock reaches (1e30) is logged and ignored; listings still answer",
+      expect="correct result")
+def unreachable_stored_expiry(ctx):
+    import json
+
+    import dsv4flash.service as tinker
+
+    tc = _trainer(ctx)
+    path = tc.save_state("kept", ttl_seconds=3600).result().path
+    registry = tc.service.state_root / "service" / "checkpoints.json"
+    registry.write_text(json.dumps({"checkpoints": {path: {"expires_at": 1e30, "public": False}}}))
+    restarted = tinker.ServiceClient(root=tc.service.root, resident=ctx.resident())
+    listed = restarted.create_rest_client().list_user_checkpoints().result().checkpoints
+    if [c.tinker_path for c in listed] != [path]:
+        raise DataLost(f"the listing lost the checkpoint: {[c.tinker_path for c in listed]}")
+
+
+@case("service", "a corrupted checkpoint is one clear error naming it, from every reader",
+      match=r"checkpoint tinker://\S+/weights/hurt: its stored bytes are damaged and cannot be read \(revision blob")
+def corrupted_checkpoint(ctx):
+    tc = _trainer(ctx)
+    service = tc.service
+    path = tc.save_state("hurt").result().path
+    blob = service.store.blobs.path(service.require_checkpoint(path).id)
+    blob.chmod(0o644)
+    damaged = bytearray(blob.read_bytes())
+    damaged[-1] ^= 0xFF  # tensor data: the header still parses, the hash does not match
+    blob.write_bytes(bytes(damaged))
+    weights = _snapshot(tc)
+    failures = {what: ctx.must_fail(read) for what, read in {
+        "sampling": lambda: service.create_sampling_client(path),
+        "load_state": lambda: tc.load_state(path).result(),
+        "from_state": lambda: service.create_training_client_from_state(path),
+        "archive": lambda: service.create_rest_client().get_checkpoint_archive_url_from_tinker_path(path).result(),
+    }.items()}
+    _unchanged(tc, weights)
+    if len({f.message for f in failures.values()}) != 1:
+        raise SilentWrong(f"the readers report the damage differently: {[f.message for f in failures.values()]}")
+    return failures["sampling"]
+
+
+def _context(ctx) -> int:
+    return ctx.resident().cfg.text.max_position_embeddings
+
+
+def _long(n: int) -> tuple[int, ...]:
+    return tuple(5 + i % 50 for i in range(n))
+
+
+@case("service", "max_tokens = 10**6 is refused naming the field and the model's context (it ran for minutes)",
+      match=r"SamplingParams\.max_tokens: 1000000 is more than the model's context of \d+ tokens")
+def max_tokens_past_context(ctx):
+    return ctx.must_fail(lambda: _sample(ctx, max_tokens=10**6))
+
+
+@case("service", "a prompt that with max_tokens does not fit the context is refused naming both lengths",
+      match=r"prompt: \d+ tokens \+ max_tokens 8 = \d+, more than the model's context of \d+ tokens")
+def prompt_past_context(ctx):
+    return ctx.must_fail(lambda: _sample(ctx, prompt=_long(_context(ctx) - 4), max_tokens=8))
+
+
+@case("service", "compute_logprobs of a prompt longer than the context is refused naming the length",
+      match=r"compute_logprobs: prompt: \d+ tokens, more than the model's context of \d+ tokens")
+def logprobs_past_context(ctx):
+    from dsv4flash.service import types
+
+    prompt = types.ModelInput.from_ints(list(_long(_context(ctx) + 1)))
+    return ctx.must_fail(lambda: _sampler(ctx).compute_logprobs(prompt).result())
+
+
+@case("service", "a training datum longer than the context is refused naming it; adapter and gradients unchanged",
+      match=r"data\[1\]\.model_input: \d+ tokens, more than the model's context of \d+ tokens")
+def datum_past_context(ctx):
+    long = _datum(list(_long(_context(ctx) + 2)))
+    return _refused_training(ctx, lambda tc: tc.forward_backward([_datum(), long], "cross_entropy").result())
+
+
+@case("service", "a zstd body that inflates past the request limit stops there (a 64 KiB body of 512 MiB)",
+      match=r"request body decompresses to more than the 1048576-byte request limit")
+def compression_bomb(ctx):
+    import zstandard
+
+    from dsv4flash.service.protocol.wire import decompress
+
+    compressor = zstandard.ZstdCompressor().compressobj()
+    zeros = bytes(1 << 20)
+    bomb = b"".join(compressor.compress(zeros) for _ in range(512)) + compressor.flush()
+    return ctx.must_fail(lambda: decompress(bomb, "zstd", limit=1 << 20))

@@ -46,8 +46,11 @@ def detect_layout(directory: Path) -> str:
     from dsv4flash_bridge.sharded import CheckpointReader
 
     with CheckpointReader(directory) as ckpt:
-        if any(name.endswith(".scale") for name in ckpt.names()):
-            return "release"
+        names = set(ckpt.names())
+    # a quantized weight's block scale sits beside its weight; a module's own `scale` parameter (megatron's mHC
+    # `mlp_hyper_connection.scale` in a megatron-named import) has no `.weight` sibling
+    if any(name.endswith(".scale") and name[: -len(".scale")] + ".weight" in names for name in names):
+        return "release"
     return "import" if (directory / SIDECAR / LAYOUT_FILE).is_file() else "base"
 
 

@@ -30,7 +30,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dsv4flash.hf.configuration import DeepseekV41Config
 from dsv4flash.model.cache import DecodeCache
-from dsv4flash.model.image import TEXT
+from dsv4flash.model.image import TEXT, split_pixel_values
 from dsv4flash.model.transformer import Transformer
 
 __all__ = ["DeepseekV41PreTrainedModel", "DeepseekV41ForCausalLM"]
@@ -116,9 +116,12 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                 labels: torch.Tensor | None = None, token_types: torch.Tensor | None = None,
                 images: Sequence | None = None, past_key_values: Any = None, use_cache: bool | None = None,
                 inputs_embeds: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0,
-                return_dict: bool | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
-        """input_ids [B,S] (image spans expanded; `token_types` [B,S]: -1 text, >= 0 span codes; `images`:
-        ImageInput per span, batch-major) -> logits [B,S,vocab] fp32, loss if `labels` [B,S] (-100 ignored)."""
+                return_dict: bool | None = None, pixel_values: torch.Tensor | None = None,
+                image_grid_hw: torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+        """input_ids [B,S] (image spans expanded; `token_types` [B,S]: -1 text, >= 0 span codes; the images as
+        the processor gives them, `pixel_values` + `image_grid_hw`, or as `images`, ImageInput per span,
+        batch-major) -> logits [B,S,vocab] fp32, loss if `labels` [B,S] (-100 ignored)."""
+        images = _images_of(images, pixel_values, image_grid_hw)
         if inputs_embeds is not None:
             raise ValueError("DeepseekV41ForCausalLM: inputs_embeds is not supported (the embedding step also hashes "
                              "Engram n-grams from input_ids); pass input_ids")
@@ -173,8 +176,10 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                                       token_types: torch.Tensor | None = None, images: Sequence | None = None,
                                       past_key_values: DecodeCache | None = None, use_cache: bool | None = None,
-                                      **kwargs: Any) -> dict[str, Any]:
+                                      pixel_values: torch.Tensor | None = None,
+                                      image_grid_hw: torch.Tensor | None = None, **kwargs: Any) -> dict[str, Any]:
         """With a cache only the tokens it has not seen, else the whole sequence; generated positions are text."""
+        images = _images_of(images, pixel_values, image_grid_hw)
         if token_types is not None and token_types.shape[1] < input_ids.shape[1]:
             grow = input_ids.shape[1] - token_types.shape[1]
             token_types = torch.cat([token_types, token_types.new_full((token_types.shape[0], grow), TEXT)], dim=1)
@@ -240,6 +245,20 @@ class DeepseekV41ForCausalLM(DeepseekV41PreTrainedModel, GenerationMixin):
                              "model's own parameters")
         if is_main_process:
             save_checkpoint(self, Path(save_directory), max_shard_size=max_shard_size, progress=progress)
+
+
+def _images_of(images: Sequence | None, pixel_values: torch.Tensor | None,
+               image_grid_hw: torch.Tensor | None) -> Sequence | None:
+    """`images`, or the ImageInputs of the processor's `pixel_values` + `image_grid_hw` (exactly one form)."""
+    if pixel_values is None and image_grid_hw is None:
+        return images
+    if pixel_values is None or image_grid_hw is None:
+        raise ValueError("DeepseekV41ForCausalLM: pixel_values and image_grid_hw come together (the processor's "
+                         "output); got only " + ("pixel_values" if pixel_values is not None else "image_grid_hw"))
+    if images is not None:
+        raise ValueError("DeepseekV41ForCausalLM: pass the images once, as images= or as pixel_values= + "
+                         "image_grid_hw=, not both")
+    return split_pixel_values(pixel_values, image_grid_hw)
 
 
 @functools.lru_cache(maxsize=1)

@@ -20,7 +20,8 @@ from transformers.image_processing_utils import BaseImageProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from dsv4flash.config import VisionConfig
-from dsv4flash.model.image import ImageInput, compact_image_placeholders, expand_image_placeholders, preprocess_image
+from dsv4flash.model.image import (compact_image_placeholders, expand_image_placeholders, preprocess_image,
+                                   split_pixel_values)
 
 __all__ = ["DeepseekV41ImageProcessor", "DeepseekV41Processor", "PROCESSOR_CHAT_TEMPLATE", "save_processor_files"]
 
@@ -91,11 +92,6 @@ def _flat(images: Any) -> list[Any]:
     return [images]
 
 
-def _split(pixel_values: torch.Tensor, grids: torch.Tensor) -> list[ImageInput]:
-    sizes = [int(h) * int(w) for h, w in grids.tolist()]
-    return [ImageInput(p, (int(h), int(w))) for p, (h, w) in zip(pixel_values.split(sizes), grids.tolist())]
-
-
 class DeepseekV41Processor(ProcessorMixin):
     """Task tokenizer + image processor: text with `<image>` placeholders and images -> model inputs."""
 
@@ -125,7 +121,7 @@ class DeepseekV41Processor(ProcessorMixin):
             raise ValueError("DeepseekV41Processor: text is required (the prompt with its <image> placeholders)")
         texts = [text] if isinstance(text, str) else list(text)
         pixels = self.image_processor(images, return_tensors="pt") if images is not None else None
-        inputs = [] if pixels is None else _split(pixels["pixel_values"], pixels["image_grid_hw"])
+        inputs = [] if pixels is None else split_pixel_values(pixels["pixel_values"], pixels["image_grid_hw"])
         span_cfg = _SpanConfig(self.image_token_id, self.image_processor.vision)
         rows, used = [], 0
         for t in texts:
@@ -158,7 +154,7 @@ class DeepseekV41Processor(ProcessorMixin):
         if videos is not None:
             raise ValueError("DeepseekV41Processor: videos are not supported (images only)")
         pixels = self.image_processor(images, return_tensors="pt") if images is not None else None
-        inputs = [] if pixels is None else _split(pixels["pixel_values"], pixels["image_grid_hw"])
+        inputs = [] if pixels is None else split_pixel_values(pixels["pixel_values"], pixels["image_grid_hw"])
         span_cfg = _SpanConfig(self.image_token_id, self.image_processor.vision)
         ids = [int(t) for t in token_ids]
         compact = compact_image_placeholders(ids, inputs, span_cfg)

@@ -83,7 +83,7 @@ def register_processors() -> None:
 
 def install() -> None:
     """Register when transformers' auto modules are imported (now for those already imported)."""
-    from dsv4flash.post_import import when_imported
+    from dsv4flash.patching.post_import import when_imported
 
     when_imported(CONFIG_AUTO, register_config)
     when_imported(MODELING_AUTO, register_models)

@@ -2,5 +2,5 @@
 
 Each subpackage imports its framework lazily and registers idempotently; core modules never import
 from here. Runtime twins of the upstream patch series live in `<integration>/patches/` and register with
-`dsv4flash._patching.REGISTRY`.
+`dsv4flash.patching.twins.REGISTRY`.
 """

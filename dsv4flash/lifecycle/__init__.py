@@ -1,6 +1,6 @@
 """MinT-style adapter lifecycle, storage side: revisions, policy records, catalog, cache tiers.
 
-Two objects (lifecycle.md §1):
+Two objects (docs/lifecycle.md):
   * `AdapterRevision` — immutable, content-addressed bytes: LoRA weights + layout manifest (format,
     rank, alpha, targets, expert geometry, base fingerprint, parent, policy). Id = sha256 of the file.
   * `PolicyRecord` — mutable service state: head revision (and its parent), tags, trainer state of
@@ -39,6 +39,7 @@ _EXPORTS = {
     "Lease": "dsv4flash.lifecycle.tiers",
     "LeaseState": "dsv4flash.lifecycle.tiers",
     "SlotPool": "dsv4flash.lifecycle.slots",
+    "ExactSlots": "dsv4flash.lifecycle.slots",
     "CpuCache": "dsv4flash.lifecycle.cpu_cache",
     "LoadAccount": "dsv4flash.lifecycle.loader",
     "save_checkpoint": "dsv4flash.lifecycle.checkpoint",

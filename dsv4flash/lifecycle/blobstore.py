@@ -1,4 +1,4 @@
-"""Content-addressed object store on a (possibly shared) filesystem: `objects/<aa>/<sha256>`.
+"""Content-addressed object store on a (possibly shared) filesystem: `objects/<aa>/<sha256>` (a `BlobBackend`).
 
 A blob becomes visible only by `os.replace` of a fully written, fsynced temp file onto its content
 address, followed by an fsync of the directory; a crash at any point leaves either no blob or a
@@ -14,17 +14,16 @@ import hashlib
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
-from dsv4flash.lifecycle.errors import IntegrityError
 from dsv4flash.atomic_io import fsync_path
+from dsv4flash.lifecycle.blob_backend import BlobBackend, BlobInfo, HashingWriter, check_key
+from dsv4flash.lifecycle.errors import IntegrityError
 from dsv4flash.lifecycle.faults import crashpoint
+from dsv4flash.lifecycle.safetensors_io import FileSource
 
-__all__ = ["BlobStore", "BlobWriter", "BlobInfo", "fsync_dir", "sha256_file"]
-
-_HEX = frozenset("0123456789abcdef")
+__all__ = ["BlobStore", "BlobWriter", "BlobInfo", "FileSource", "fsync_dir", "sha256_file"]
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -41,16 +40,7 @@ def sha256_file(path: str | os.PathLike, chunk: int = 16 << 20) -> str:
     return h.hexdigest()
 
 
-@dataclass(frozen=True)
-class BlobInfo:
-    """A stored blob: its content address, size and modification time."""
-
-    key: str
-    size: int
-    mtime: float
-
-
-class BlobWriter:
+class BlobWriter(HashingWriter):
     """A write-once temp file that hashes as it goes and commits to its content address."""
 
     def __init__(self, store: "BlobStore", expected_size: int | None = None):
@@ -59,28 +49,11 @@ class BlobWriter:
         # Locked before it gets its `.part` name, so a sweeper never sees an unlocked live temp file; the lock
         # dies with the process (even on SIGKILL), which is how `dead_temp_files` tells a dead writer's file.
         opening = store.tmp_dir / f"{name}.opening"
-        self._file = open(opening, "wb")
-        fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        file = open(opening, "wb")
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._tmp = store.tmp_dir / f"{name}.part"
         os.replace(opening, self._tmp)
-        self._hash = hashlib.sha256()
-        self._written = 0
-        self._half = (expected_size or 0) // 2
-        self._crossed_half = False
-        self.key: str | None = None
-        crashpoint("blob.open")
-
-    def write(self, data) -> int:
-        """Append bytes (any buffer) and fold them into the hash."""
-        view = memoryview(data).cast("B")
-        self._file.write(view)
-        self._hash.update(view)
-        self._written += len(view)
-        if not self._crossed_half and self._half and self._written >= self._half:
-            self._crossed_half = True
-            self._file.flush()  # so a crash here really leaves a half-written file behind
-            crashpoint("blob.mid_write")
-        return len(view)
+        super().__init__(file, expected_size)
 
     def commit(self) -> str:
         """fsync, rename to `objects/<aa>/<sha256>` (dedup if present) and return the hex key."""
@@ -109,15 +82,8 @@ class BlobWriter:
         if not self._file.closed:
             self._file.close()
 
-    def __enter__(self) -> "BlobWriter":
-        return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None or self.key is None:
-            self.abort()
-
-
-class BlobStore:
+class BlobStore(BlobBackend):
     """Immutable blobs addressed by sha256 under one root directory."""
 
     def __init__(self, root: str | os.PathLike):
@@ -130,9 +96,18 @@ class BlobStore:
 
     def path(self, key: str) -> Path:
         """Where blob `key` lives (whether or not it exists)."""
-        if len(key) != 64 or not set(key) <= _HEX:
-            raise ValueError(f"blob key {key!r} is not a 64-hex sha256")
-        return self.objects / key[:2] / key
+        return self.objects / check_key(key)[:2] / key
+
+    def describe(self, key: str) -> str:
+        """The blob's path, for messages."""
+        return str(self.path(key))
+
+    def default_catalog(self) -> str:
+        """`catalog.sqlite` beside blobs/ (a directory store's catalog is where its directory is)."""
+        return str(self.root.parent / "catalog.sqlite")
+
+    def remember_catalog(self, catalog: str) -> None:
+        """Nothing to record: a directory store names a non-default catalog on each open."""
 
     def exists(self, key: str) -> bool:
         """Whether the blob is stored."""
@@ -142,17 +117,9 @@ class BlobStore:
         """A new temp-file writer; call `commit()` to publish it."""
         return BlobWriter(self, expected_size)
 
-    def put_bytes(self, data: bytes) -> str:
-        """Store bytes and return their key."""
-        with self.writer(len(data)) as w:
-            w.write(data)
-            return w.commit()
-
-    def put_stream(self, produce: Callable[[BlobWriter], None], expected_size: int | None = None) -> str:
-        """Store whatever `produce(writer)` writes and return the key."""
-        with self.writer(expected_size) as w:
-            produce(w)
-            return w.commit()
+    def source(self, key: str) -> FileSource:
+        """The blob's file, open for positional reads."""
+        return FileSource(self.path(key))
 
     def read_bytes(self, key: str, verify: bool = True) -> bytes:
         """The whole blob, checked against its address unless `verify=False`."""
@@ -187,23 +154,15 @@ class BlobStore:
                     st = entry.stat()
                     yield BlobInfo(entry.name, st.st_size, st.st_mtime)
 
-    def stale_temp_files(self, older_than_s: float) -> list[Path]:
-        """Temp files no live writer holds: dead writers' at once, where locks cannot tell, after `older_than_s`."""
-        cutoff = time.time() - older_than_s
-        found = []
-        for p, state in self._temp_states():
-            try:
-                if state == "dead" or (state == "unknown" and p.stat().st_mtime < cutoff):
-                    found.append(p)
-            except FileNotFoundError:  # committed or swept meanwhile
-                pass
-        return found
+    def temp_age(self, item: Path) -> float:
+        """Seconds since the temp file was last written."""
+        return time.time() - item.stat().st_mtime
 
-    def dead_temp_files(self) -> list[Path]:
-        """Temp files whose writer process is gone (its lock was released by the kernel when it died)."""
-        return [p for p, state in self._temp_states() if state == "dead"]
+    def remove_temp(self, item: Path) -> None:
+        """Unlink a temp file."""
+        item.unlink(missing_ok=True)
 
-    def _temp_states(self) -> list[tuple[Path, str]]:
+    def temp_states(self) -> list[tuple[Path, str]]:
         """Each temp file with "live" (its writer holds the lock), "dead" or "unknown" (no locks here)."""
         states = []
         for p in sorted([*self.tmp_dir.glob("*.part"), *self.tmp_dir.glob("*.opening")]):
@@ -224,14 +183,3 @@ class BlobStore:
             finally:
                 os.close(fd)  # releases our probe lock too
         return states
-
-    def sweep_dead_temp_files(self) -> int:
-        """Remove what killed writers left in tmp/ (done whenever a store is opened); returns the count."""
-        count = 0
-        for p in self.dead_temp_files():
-            try:
-                p.unlink()
-                count += 1
-            except FileNotFoundError:
-                pass
-        return count

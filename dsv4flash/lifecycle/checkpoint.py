@@ -68,11 +68,16 @@ def save_checkpoint(
     data_position: Mapping[str, Any],
     weights: Mapping[str, torch.Tensor] | None = None,
     tags: Iterable[str] = (),
+    parent: str | None = "head",
+    scheduler_position: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> AdapterRevision:
     """Publish weights + trainer state as the policy's new head revision (atomic).
 
     A model adapted with `dsv4flash.lora` is saved as a packed MoE LoRA revision under the canonical
     adapter keys (servable and exportable as-is); any other module as its trainable parameters.
+    `parent`, `tags` and `extra` (manifest fields) go to `AdapterStore.publish`; `scheduler_position`
+    replaces the summary read from `scheduler` (for a trainer that schedules its learning rate itself).
     """
     blob = capture_trainer_state(optimizer, scheduler, extra={"step": int(step)})
     if weights is not None:
@@ -88,9 +93,11 @@ def save_checkpoint(
         payload,
         step=step,
         trainer_state=blob,
-        scheduler=_scheduler_summary(scheduler),
+        scheduler=dict(scheduler_position) if scheduler_position is not None else _scheduler_summary(scheduler),
         data_position=dict(data_position),
         tags=tags,
+        parent=parent,
+        extra=extra,
     )
 
 

@@ -1,4 +1,6 @@
-"""`dsv4flash lifecycle …`: inspect and operate a store from the shell (list, show, log, tag, rollback, gc, export)."""
+"""`dsv4flash lifecycle …`: inspect and operate a store from the shell (list, show, log, tag, rollback, gc, export,
+import). `--root` defaults to the store training runs publish into and `dsv4flash serve` reads
+(`dsv4flash.lifecycle.default_store`)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,13 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Subcommands of `dsv4flash lifecycle`."""
-    parser.add_argument("--root", default=None, help="store root (blobs/ and, by default, catalog.sqlite); required "
-                        "except to export a directory")
-    parser.add_argument("--catalog", default=None, help="catalog URL (default: <root>/catalog.sqlite; postgresql://… for shared)")
+    from dsv4flash.lifecycle.default_store import default_store
+
+    parser.add_argument("--root", default=None, help="store root: a directory (blobs/ and, by default, catalog.sqlite) "
+                        "or s3://bucket/prefix (docs/lifecycle.md); default "
+                        f"{default_store()}, where training runs publish")
+    parser.add_argument("--catalog", default=None, help="catalog URL (default: <root>/catalog.sqlite, or the one an "
+                        "s3:// store recorded at init; postgresql://… for shared)")
     sub = parser.add_subparsers(dest="action", required=True)
     sub.add_parser("init", help="create an empty store at --root (every other command needs an existing one)")
     sub.add_parser("policies", help="list policies with head, tags and state")
@@ -45,10 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="peft (stock PEFT, vLLM), vllm (vLLM at rank r), megatron, packed (the store's), vllm_3d "
                          "(vLLM fused 3-D MoE)")
     ex.add_argument("--overwrite", action="store_true")
+    imp = sub.add_parser("import", help="publish a training output or an adapter directory as a policy's new revision "
+                                        "(tagged latest)")
+    imp.add_argument("dir", help="a `python -m dsv4flash.train` output or an adapter directory of any format")
+    imp.add_argument("--policy", default=None, help="policy name (default: a training output's recipe, else the "
+                                                    "directory's name)")
 
 
 def _formats() -> tuple[str, ...]:
-    from dsv4flash.lifecycle.export import FORMATS
+    from dsv4flash.lifecycle.export_formats import FORMATS
 
     return FORMATS + ("vllm3d",)  # vllm3d: the earlier spelling of vllm_3d
 
@@ -71,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 2
     except Exception as exc:
+        if type(exc).__module__.startswith(("botocore", "boto3")):  # the object store of an s3:// root
+            print(f"error: store {args.root}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}",
+                  file=sys.stderr)
+            return 2
         if not type(exc).__module__.startswith("psycopg"):
             raise
         print(f"error: catalog {args.catalog}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}",
@@ -79,16 +94,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dsv4flash.lifecycle.store import AdapterStore
-
     if args.action == "export":
         return _export(args)
-    if args.root is None:
-        return _user_error(f"dsv4flash lifecycle {args.action}: --root is required")
-    with AdapterStore.open(args.root, args.catalog, create=args.action == "init") as store:
+    root = _root(args)
+    # `init` creates a store; `import` may create only the default one (a mistyped --root stays an error)
+    create = args.action == "init" or (args.action == "import" and args.root is None)
+    from dsv4flash.lifecycle.default_store import no_store_at
+
+    if not create and (missing := no_store_at(root)) is not None:  # answered before the store (and torch) loads
+        return _user_error(missing)
+    from dsv4flash.lifecycle.store import AdapterStore
+
+    with AdapterStore.open(root, args.catalog, create=create) as store:
         cat = store.catalog
-        if args.action == "init":
-            print(f"store at {store.root} (catalog {args.catalog or store.root / 'catalog.sqlite'})")
+        if args.action == "import":
+            from dsv4flash.lifecycle.import_dir import import_adapter_dir
+
+            rev = import_adapter_dir(store, args.dir, policy=args.policy)
+            print(f"{rev.manifest.policy}:latest = {_short(rev.id)} (step {rev.manifest.step}, store {store.root})")
+        elif args.action == "init":
+            print(f"store at {store.root} (catalog {args.catalog or store.blobs.default_catalog()})")
         elif args.action == "policies":
             for name in cat.list_policies():
                 p = cat.policy(name)
@@ -122,6 +147,7 @@ def _export(args: argparse.Namespace) -> int:
     """`export`: a directory needs no store; a revision is read from --root. User errors exit 2 (no traceback)."""
     from pathlib import Path
 
+    from dsv4flash.lifecycle.default_store import is_remote_store
     from dsv4flash.lifecycle.errors import AdapterFormatError
     from dsv4flash.lifecycle.export import VLLM_3D, export_adapter_dir, export_peft, export_vllm_3d
 
@@ -130,13 +156,14 @@ def _export(args: argparse.Namespace) -> int:
         if Path(args.ref).is_dir():
             print(export_adapter_dir(args.ref, args.out, fmt, overwrite=args.overwrite))
             return 0
-        if args.root is None:
-            return _user_error(f"dsv4flash lifecycle export: {args.ref} is not a directory; to export a store revision "
-                               "pass --root")
         from dsv4flash.lifecycle.packed import PackedMoELoRA
         from dsv4flash.lifecycle.store import AdapterStore
 
-        with AdapterStore.open(args.root, args.catalog) as store:
+        if args.root is None and not is_remote_store(_root(args)) and args.catalog is None \
+                and not (_root(args) / "catalog.sqlite").is_file():
+            return _user_error(f"dsv4flash lifecycle export: {args.ref} is not a directory, and there is no store at "
+                               f"{_root(args)} to hold it as a revision (pass --root for another store)")
+        with AdapterStore.open(_root(args), args.catalog) as store:
             adapter = store.load_adapter(args.ref)
         if not isinstance(adapter, PackedMoELoRA):
             return _user_error(f"dsv4flash lifecycle export: revision {args.ref} is not a packed MoE LoRA revision; "
@@ -149,6 +176,13 @@ def _export(args: argparse.Namespace) -> int:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc  # KeyError's str() adds quotes
         return _user_error(f"dsv4flash lifecycle export: {message}")
     return 0
+
+
+def _root(args: argparse.Namespace):
+    """`--root` (a directory or an s3:// URL), else the default store."""
+    from dsv4flash.lifecycle.default_store import default_store, store_location
+
+    return store_location(args.root) if args.root is not None else default_store()
 
 
 def _user_error(message: str) -> int:

@@ -1,5 +1,7 @@
 """CPU tier: decoded adapters in host memory under a byte budget, LRU with pinning and size admission.
 
+`max_entries` (optional) also bounds how many adapters are held (`dsv4flash serve --max-cpu-loras`).
+
 Admission: an adapter larger than the whole budget is never admitted (it would flush everything for
 one use); pinned entries (e.g. the `prod` revision) are never evicted. Otherwise least-recently-used
 entries are evicted until the newcomer fits.
@@ -31,10 +33,13 @@ class CpuCacheStats:
 class CpuCache:
     """Thread-safe LRU of `LoadedRevision`s bounded by total bytes."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, max_entries: int | None = None):
         if budget_bytes < 0:
             raise ValueError(f"CPU cache budget must be >= 0 bytes, got {budget_bytes}")
+        if max_entries is not None and max_entries < 0:
+            raise ValueError(f"CPU cache max_entries must be >= 0, got {max_entries}")
         self.budget = int(budget_bytes)
+        self.max_entries = max_entries
         self._entries: OrderedDict[str, LoadedRevision] = OrderedDict()
         self._pinned: set[str] = set()
         self._used = 0
@@ -74,14 +79,18 @@ class CpuCache:
             if entry.nbytes > self.budget:
                 self.stats.rejected += 1
                 return False
-            victims, free = [], self.budget - self._used
+            if self.max_entries is not None and self.max_entries < 1:
+                self.stats.rejected += 1
+                return False
+            victims, free, count = [], self.budget - self._used, len(self._entries)
             for key, old in self._entries.items():
-                if free >= entry.nbytes:
+                if free >= entry.nbytes and (self.max_entries is None or count < self.max_entries):
                     break
                 if key not in self._pinned:
                     victims.append(key)
                     free += old.nbytes
-            if free < entry.nbytes:
+                    count -= 1
+            if free < entry.nbytes or (self.max_entries is not None and count >= self.max_entries):
                 self.stats.rejected += 1
                 return False
             for key in victims:

@@ -13,6 +13,7 @@ __all__ = [
     "ReferencedRevisionError",
     "StoreNotFoundError",
     "CatalogUnreadableError",
+    "BlobStoreUnreachableError",
 ]
 
 
@@ -60,3 +61,15 @@ class StoreNotFoundError(LifecycleError):
 
 class CatalogUnreadableError(LifecycleError):
     """The catalog database cannot be opened or read (not a database, corrupt, unreachable)."""
+
+
+class BlobStoreUnreachableError(LifecycleError):
+    """The object store behind a store location cannot be reached, or refuses the request (names the URL)."""
+
+
+class SlotQueueFull(LifecycleError):
+    """Every device slot is held and the bounded queue for one is full (backpressure: retry after a while)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

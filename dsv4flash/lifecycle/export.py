@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from dsv4flash.lifecycle.errors import AdapterFormatError
+from dsv4flash.lifecycle.export_formats import FORMATS, VLLM_3D
 from dsv4flash.lifecycle.faults import crashpoint
 from dsv4flash.lifecycle.packed import EXPERT_PROJECTIONS, PackedMoELoRA
 from dsv4flash.lifecycle.safetensors_io import write_safetensors
@@ -33,10 +34,9 @@ from dsv4flash.lora.peft_io import (CONFIG_NAME, WEIGHTS_NAME, adapter_files, re
 from dsv4flash.lora.state import PEFT_PREFIX
 
 __all__ = ["export_peft", "import_peft", "export_vllm_3d", "import_vllm_3d", "export_adapter_dir", "read_adapter_dir",
-           "adapter_source", "FORMATS", "PEFT_PREFIX", "CONFIG_NAME", "WEIGHTS_NAME"]
+           "adapter_source", "recorded_base_config", "FORMATS", "PEFT_PREFIX", "CONFIG_NAME", "WEIGHTS_NAME"]
 
 _GATE_UP, _DOWN = "ffn.experts.gate_up_proj", "ffn.experts.down_proj"
-VLLM_3D = "vllm_3d"  # the fused 3-D MoE layout's name in the dsv4flash section
 
 
 def _write_dir(directory: str | os.PathLike, overwrite: bool, config: dict[str, Any],
@@ -158,7 +158,6 @@ def import_vllm_3d(directory: str | os.PathLike) -> PackedMoELoRA:
 
 
 # ---- directories: a training output or an adapter directory, in any layout, to any other ----
-FORMATS = ("peft", "vllm", "megatron", "packed", VLLM_3D)
 
 
 def adapter_source(path: str | os.PathLike) -> Path:
@@ -203,10 +202,25 @@ def export_adapter_dir(source: str | os.PathLike, directory: str | os.PathLike, 
     return _write_dir(directory, overwrite, config, tensors)
 
 
+def recorded_base_config(data: dict[str, Any]):
+    """The model config of the base an adapter directory records (its `base_model_name_or_path` directory, else
+    the flavour of its dsv4flash section), or None when neither loads."""
+    from dsv4flash.config import ConfigError, load_config
+
+    ours = data.get("dsv4flash") or {}
+    for spec in (data.get("base_model_name_or_path"), (ours.get("base") or {}).get("config")):
+        try:
+            cfg = load_config(spec) if spec else None
+        except (ConfigError, OSError, ValueError):
+            cfg = None
+        if cfg is not None:
+            return cfg
+    return None
+
+
 def check_against_base(data: dict[str, Any], canonical: dict[str, torch.Tensor], source: str) -> bool:
     """Check canonical tensors against the placement the directory records, on a meta model of its base (the
     `base_model_name_or_path` directory, else the recorded flavour); False when neither is known."""
-    from dsv4flash.config import ConfigError, load_config
     from dsv4flash.lora import LoraConfig, apply_lora
     from dsv4flash.lora.state import check_lora_state_dict
     from dsv4flash.model.transformer import Transformer
@@ -214,14 +228,7 @@ def check_against_base(data: dict[str, Any], canonical: dict[str, torch.Tensor],
     ours = data.get("dsv4flash") or {}
     if not ours.get("lora_config"):
         return False
-    cfg = None
-    for spec in (data.get("base_model_name_or_path"), (ours.get("base") or {}).get("config")):
-        try:
-            cfg = load_config(spec) if spec else None
-        except (ConfigError, OSError, ValueError):
-            cfg = None
-        if cfg is not None:
-            break
+    cfg = recorded_base_config(data)
     if cfg is None:
         return False
     model = Transformer(cfg, device="meta", seed=None)

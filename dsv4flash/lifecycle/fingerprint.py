@@ -3,7 +3,7 @@
 fingerprint = sha256 over the canonical JSON of
   * the base config (`cfg.to_json()`, re-serialised with sorted keys so formatting never matters),
   * the tensor census: every base tensor as (name, dtype, shape), sorted by name,
-  * the quantization plan: the stored role (`dsv4flash.quant_plan.quant_role`) of every census name.
+  * the quantization plan: the stored role (`dsv4flash.release.quant_plan.quant_role`) of every census name.
 Two bases with the same fingerprint accept the same adapters; anything else is a `BaseMismatchError`.
 The digest is prefixed with a short human summary (model type, layers, hidden size, tensor count) so an
 error message can say *how* two bases differ without a second lookup.
@@ -81,7 +81,7 @@ def fingerprint_from_parts(
         dup = next(n for i, n in enumerate(names[1:]) if n == names[i])
         raise ValueError(f"census lists tensor {dup!r} twice")
     if quant_roles is None:
-        from dsv4flash.quant_plan import quant_role
+        from dsv4flash.release.quant_plan import quant_role
 
         roles = {n: quant_role(n).value for n in names}
     else:
@@ -113,14 +113,14 @@ def base_fingerprint(cfg: Any, census_rows: Iterable[Sequence[Any]] | None = Non
 def _release_census(cfg: Any) -> list[CensusRow]:
     # Imported lazily: the census builds the reference model on `meta`, which a catalog-only node
     # (no model code paths) never needs.
-    from dsv4flash.census import census  # noqa: PLC0415
+    from dsv4flash.release.census import census  # noqa: PLC0415
 
     return [(t.name, t.dtype, tuple(t.shape)) for t in census(cfg)]
 
 
 def checkpoint_fingerprint(cfg: Any, directory: str) -> BaseFingerprint:
     """Fingerprint of a release checkpoint on disk (census read from its safetensors headers)."""
-    from dsv4flash.census import checkpoint_census  # noqa: PLC0415
+    from dsv4flash.release.census import checkpoint_census  # noqa: PLC0415
 
     return fingerprint_from_parts(cfg.to_json(), [(t.name, t.dtype, tuple(t.shape)) for t in checkpoint_census(directory)])
 

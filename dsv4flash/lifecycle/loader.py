@@ -1,6 +1,6 @@
 """Cold loads from the blob store with accounting: bytes, tensor count, read/verify and unpack time.
 
-`read_revision_blob` streams one revision file into a single (optionally pinned) buffer while hashing
+`read_revision_blob` streams one revision blob (a file, or an object of an S3 store) into a single (optionally pinned) buffer while hashing
 it against its content address, parses the embedded manifest, checks the base fingerprint and returns
 zero-copy tensor views. Several loads run concurrently in a thread pool (`AdapterCache`): `preadv`
 and `sha256.update` both release the GIL, so one adapter's read overlaps another's hash and unpack.
@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dsv4flash.lifecycle.blobstore import BlobStore
+from dsv4flash.lifecycle.blob_backend import BlobBackend
 from dsv4flash.lifecycle.errors import IntegrityError
 from dsv4flash.lifecycle.fingerprint import BaseFingerprint, check_compatible
 from dsv4flash.lifecycle.revision import LayoutManifest, manifest_from_header
@@ -54,22 +54,26 @@ class LoadedRevision:
 
 
 def read_revision_blob(
-    blobs: BlobStore,
+    blobs: BlobBackend,
     key: str,
     *,
     verify: bool = True,
     pin_memory: bool = False,
     resident_base: BaseFingerprint | None = None,
 ) -> LoadedRevision:
-    """Read revision `key` from disk into host memory, verifying its hash and base."""
+    """Read revision `key` from its blob store into host memory, verifying its hash and base."""
     t0 = time.perf_counter()
-    path = blobs.path(key)
+    src = blobs.source(key)
+    path = src.name
     hasher = hashlib.sha256() if verify else None
-    tensors, header = read_safetensors(path, pin_memory=pin_memory, on_chunk=hasher.update if hasher else None)
+    try:
+        tensors, header = read_safetensors(src, pin_memory=pin_memory, on_chunk=hasher.update if hasher else None)
+    finally:
+        src.close()
     if hasher is not None and hasher.hexdigest() != key:
         raise IntegrityError(f"revision blob {path} hashes to {hasher.hexdigest()}, not its address {key} (corrupted on disk?)")
     t1 = time.perf_counter()
-    manifest = manifest_from_header(header, source=str(path))
+    manifest = manifest_from_header(header, source=path)
     if resident_base is not None:
         check_compatible(manifest.base, resident_base, what=f"adapter revision {key[:12]} (policy {manifest.policy!r})")
     t2 = time.perf_counter()

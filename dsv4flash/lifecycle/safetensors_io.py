@@ -20,12 +20,15 @@ import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Mapping
+from typing import TYPE_CHECKING, BinaryIO, Callable, Mapping
 
 import torch
 
 from dsv4flash.lifecycle.errors import AdapterFormatError
 from dsv4flash_bridge import safetensors_io as _st
+
+if TYPE_CHECKING:
+    from dsv4flash.lifecycle.blob_backend import ByteSource
 
 __all__ = [
     "DTYPES",
@@ -37,6 +40,7 @@ __all__ = [
     "read_header",
     "read_safetensors",
     "read_into",
+    "FileSource",
 ]
 
 DTYPES: dict[str, torch.dtype] = _st.DTYPES
@@ -115,21 +119,51 @@ def write_safetensors(
 
 def read_header(path: str | os.PathLike, fd: int | None = None) -> SafetensorsHeader:
     """Parse and validate the header of a safetensors file (names the file and tensor on error)."""
-    own = fd is None
-    if own:
-        fd = os.open(path, os.O_RDONLY)
+    src = FileSource(path, fd)
     try:
-        size = os.fstat(fd).st_size
-        first = os.pread(fd, 8, 0)
-        if len(first) != 8:
-            raise AdapterFormatError(f"{path}: {size} bytes, too short for a safetensors header")
-        (n,) = struct.unpack("<Q", first)
-        if n > min(_MAX_HEADER, size - 8):
-            raise AdapterFormatError(f"{path}: header length {n} exceeds the file ({size} bytes)")
-        blob = os.pread(fd, n, 8)
+        return _parse_header(src)
     finally:
-        if own:
-            os.close(fd)
+        src.close()
+
+
+class FileSource:
+    """A `ByteSource` over one open file (`os.pread`/`os.preadv` on its descriptor)."""
+
+    def __init__(self, path: str | os.PathLike, fd: int | None = None):
+        self.name = str(path)
+        self._own = fd is None
+        self.fd = os.open(path, os.O_RDONLY) if fd is None else fd
+        self.size = os.fstat(self.fd).st_size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to `n` bytes at `offset`."""
+        return os.pread(self.fd, n, offset)
+
+    def readinto_at(self, view: memoryview, offset: int) -> None:
+        """Fill `view` from `offset`; a short read (the file shrank) is an error naming the byte."""
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise AdapterFormatError(f"{self.name}: short read at byte {offset + done} (file truncated while reading?)")
+            done += got
+
+    def close(self) -> None:
+        """Close the descriptor (unless the caller passed it in)."""
+        if self._own:
+            os.close(self.fd)
+
+
+def _parse_header(src) -> SafetensorsHeader:
+    """The header of the safetensors bytes behind a `ByteSource` (dsv4flash.lifecycle.blob_backend)."""
+    path, size = src.name, src.size
+    first = src.pread(8, 0)
+    if len(first) != 8:
+        raise AdapterFormatError(f"{path}: {size} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", first)
+    if n > min(_MAX_HEADER, size - 8):
+        raise AdapterFormatError(f"{path}: header length {n} exceeds the file ({size} bytes)")
+    blob = src.pread(n, 8)
     try:
         infos, metadata = _st.parse_header(blob, path)
     except _st.SafetensorsError as exc:
@@ -152,36 +186,40 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
 
 
 def read_safetensors(
-    path: str | os.PathLike,
+    path: str | os.PathLike | ByteSource,
     *,
     pin_memory: bool = False,
     threads: int = 2,
     chunk: int = 64 << 20,
     on_chunk: Callable[[memoryview], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], SafetensorsHeader]:
-    """Read a whole safetensors file into one buffer and return zero-copy tensor views plus the header.
+    """Read a whole safetensors file (a path, or any `ByteSource`: a stored blob) into one buffer and return
+    zero-copy tensor views plus the header.
 
     `on_chunk` sees every byte of the file in order, header first (used to hash while reading); with it,
     reads stay sequential so the hash can follow them.
     """
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        header = read_header(path, fd)
-        buf = torch.empty(header.data_size, dtype=torch.uint8, pin_memory=pin_memory)
-        view = memoryview(buf.numpy()) if header.data_size else memoryview(b"")
-        spans = [(o, min(o + chunk, header.data_size)) for o in range(0, header.data_size, chunk)]
-        if on_chunk is not None:
-            on_chunk(memoryview(os.pread(fd, header.data_offset, 0)))
-        if on_chunk is not None or threads <= 1 or len(spans) <= 1:
-            for lo, hi in spans:
-                _pread_into(fd, view[lo:hi], header.data_offset + lo)
-                if on_chunk is not None:
-                    on_chunk(view[lo:hi])
-        else:
-            with ThreadPoolExecutor(max_workers=threads) as pool:
-                list(pool.map(lambda s: _pread_into(fd, view[s[0]:s[1]], header.data_offset + s[0]), spans))
-    finally:
-        os.close(fd)
+    if isinstance(path, (str, os.PathLike)):
+        src = FileSource(path)
+        try:
+            return read_safetensors(src, pin_memory=pin_memory, threads=threads, chunk=chunk, on_chunk=on_chunk)
+        finally:
+            src.close()
+    src = path
+    header = _parse_header(src)
+    buf = torch.empty(header.data_size, dtype=torch.uint8, pin_memory=pin_memory)
+    view = memoryview(buf.numpy()) if header.data_size else memoryview(b"")
+    spans = [(o, min(o + chunk, header.data_size)) for o in range(0, header.data_size, chunk)]
+    if on_chunk is not None:
+        on_chunk(memoryview(src.pread(header.data_offset, 0)))
+    if on_chunk is not None or threads <= 1 or len(spans) <= 1:
+        for lo, hi in spans:
+            src.readinto_at(view[lo:hi], header.data_offset + lo)
+            if on_chunk is not None:
+                on_chunk(view[lo:hi])
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(lambda s: src.readinto_at(view[s[0]:s[1]], header.data_offset + s[0]), spans))
     return {e.name: _view(buf, e) for e in header.entries}, header
 
 

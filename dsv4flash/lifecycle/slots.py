@@ -5,6 +5,11 @@ s copies X's tensors into `buffer[s]` — no allocation on the hot path, exactly
 `lora_a_stacked[slot]`. Adapters of lower rank are zero-padded along the rank dimension (rows of
 `lora_A`, columns of `lora_B`), which leaves `B @ A` unchanged; the per-slot `scaling` (alpha / r of the
 adapter) is kept alongside. On CPU the "device" is host memory and the pool is the same code path.
+
+`ExactSlots` is the serving tier's variant: each slot holds its adapter's tensors at their own shapes (copied
+to the device on load), so adapters of different ranks and target sets share the slots, and a batch computes
+each delta at its adapter's own rank: the same ops, bit for bit, as that adapter alone (padding the rank
+changes a GEMM's K and with it the rounding). It allocates per load instead of reusing fixed buffers.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 
 from dsv4flash.lifecycle.errors import AdapterFormatError
 
-__all__ = ["SlotPool", "default_device"]
+__all__ = ["ExactSlots", "SlotPool", "default_device"]
 
 
 def default_device() -> torch.device:
@@ -107,3 +112,41 @@ class SlotPool:
         """The tensors of one slot (views into the pool)."""
         return {name: buf[slot] for name, buf in self.buffers.items()}
 
+
+
+class ExactSlots:
+    """`num_slots` device slots, each holding one adapter's tensors as they are (no padding, no fixed layout)."""
+
+    def __init__(self, num_slots: int, device: torch.device | str | None = None):
+        if num_slots < 1:
+            raise ValueError(f"a slot pool needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.device = torch.device(device) if device is not None else default_device()
+        self._tensors: list[dict[str, torch.Tensor] | None] = [None] * num_slots
+        self.scaling = [0.0] * num_slots
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held by the filled slots."""
+        return sum(t.numel() * t.element_size() for held in self._tensors if held for t in held.values())
+
+    def write(self, slot: int, tensors: Mapping[str, torch.Tensor], scaling: float = 1.0, *, source: str = "adapter") -> int:
+        """Put an adapter's tensors in `slot` (a device copy; host tensors on a CPU pool are kept as they are)."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} outside 0..{self.num_slots - 1}")
+        held = {name: t if t.device == self.device else t.to(self.device) for name, t in tensors.items()}
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._tensors[slot], self.scaling[slot] = held, float(scaling)
+        return sum(t.numel() * t.element_size() for t in held.values())
+
+    def clear(self, slot: int) -> None:
+        """Empty a slot."""
+        self._tensors[slot], self.scaling[slot] = None, 0.0
+
+    def view(self, slot: int) -> dict[str, torch.Tensor]:
+        """The tensors of one slot."""
+        held = self._tensors[slot]
+        if held is None:
+            raise KeyError(f"slot {slot} is empty")
+        return held

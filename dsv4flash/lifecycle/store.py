@@ -20,7 +20,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from dsv4flash.lifecycle.blobstore import BlobStore
+from dsv4flash.lifecycle.blob_backend import BlobBackend
+from dsv4flash.lifecycle.default_store import is_remote_store, no_store_at, store_location
 from dsv4flash.lifecycle.catalog import (ANY_HEAD, Catalog, PolicyRecord, RevisionRecord, StateRecord, is_database_url,
                                          open_catalog)
 from dsv4flash.lifecycle.errors import CatalogUnreadableError, LifecycleError, StoreNotFoundError
@@ -30,7 +31,7 @@ from dsv4flash.lifecycle.packed import PackedMoELoRA
 from dsv4flash.lifecycle.revision import AdapterRevision, LayoutManifest, decode_adapter, encode_revision, revision_tensors
 from dsv4flash.lifecycle.safetensors_io import iter_payload
 
-__all__ = ["AdapterStore", "GCReport"]
+__all__ = ["AdapterStore", "GCReport", "open_blobs"]
 
 _UNSET: Any = object()  # "no expectation given" (None is a real head value: the policy has no revision yet)
 
@@ -47,40 +48,72 @@ class GCReport:
 
 
 class AdapterStore:
-    """Publish, resolve and load adapter revisions and policy records under one root directory."""
+    """Publish, resolve and load adapter revisions and policy records under one store location.
+
+    The location is a directory (blobs/ and, by default, catalog.sqlite in it) or `s3://bucket/prefix` (blobs/
+    under that prefix; the catalog is the one recorded when the store was created, usually PostgreSQL). Either way
+    the blobs are a `BlobBackend` (dsv4flash/lifecycle/blob_backend.py) and the protocol below is the same.
+    """
 
     def __init__(self, root: str | os.PathLike, catalog: Catalog | str | os.PathLike | None = None):
-        self.root = Path(root)
-        self.blobs = BlobStore(self.root / "blobs")
+        self.root = store_location(root)
+        self.blobs = open_blobs(self.root)
         if catalog is None:
-            catalog = self.root / "catalog.sqlite"
+            catalog = self.blobs.default_catalog()
+            if catalog is None:
+                raise StoreNotFoundError(_not_a_store(self.root))
         self.catalog = catalog if isinstance(catalog, Catalog) else open_catalog(catalog)
 
     @classmethod
     def open(cls, root: str | os.PathLike, catalog: str | os.PathLike | None = None, *,
              create: bool = False) -> "AdapterStore":
-        """Open the store at `root`; unless `create`, a missing root or default catalog is an error, not a new store."""
-        root = Path(root)
-        default = catalog is None
-        path = root / "catalog.sqlite" if default else None
-        if not default and not is_database_url(os.fspath(catalog)):
-            path = Path(os.fspath(catalog).removeprefix("sqlite:///"))
-        if not create:
-            if not root.is_dir():
-                raise StoreNotFoundError(f"{root}: no adapter store here (create one with "
-                                         f"`dsv4flash lifecycle --root {root} init`)")
-            if path is not None and not path.is_file():
-                raise StoreNotFoundError(f"{path}: no catalog; {root} is not an adapter store (create one with "
-                                         f"`dsv4flash lifecycle --root {root} init`)")
+        """Open the store at `root`; unless `create`, a missing root or default catalog is an error, not a new store.
+
+        Creating an `s3://` store records its catalog (which must then be given) beside its blobs, so later opens
+        on any machine need only the URL."""
+        root = store_location(root)
+        where = catalog  # what a message names: the SQLite file where there is one
+        if not is_remote_store(root) and (catalog is None or not is_database_url(os.fspath(catalog))):
+            where = root / "catalog.sqlite" if catalog is None else Path(os.fspath(catalog).removeprefix("sqlite:///"))
         try:
-            return cls(root, catalog)
+            if is_remote_store(root):
+                return cls._open_remote(root, catalog, create)
+            return cls._open_directory(root, catalog, create)
         except (sqlite3.DatabaseError, OSError) as exc:
-            raise CatalogUnreadableError(f"{path or catalog}: cannot open the catalog ({exc})") from None
+            raise CatalogUnreadableError(f"{where or root}: cannot open the catalog ({exc})") from None
         except Exception as exc:
             if type(exc).__module__.startswith("psycopg"):
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise CatalogUnreadableError(f"{catalog}: cannot open the catalog ({first})") from None
             raise
+
+    @classmethod
+    def _open_directory(cls, root: Path, catalog, create: bool) -> "AdapterStore":
+        path = root / "catalog.sqlite" if catalog is None else None
+        if catalog is not None and not is_database_url(os.fspath(catalog)):
+            path = Path(os.fspath(catalog).removeprefix("sqlite:///"))
+        if not create:
+            if (missing := no_store_at(root)) is not None:
+                raise StoreNotFoundError(missing)
+            if path is not None and not path.is_file():
+                raise StoreNotFoundError(f"{path}: no catalog; {_not_a_store(root)}")
+        return cls(root, catalog)
+
+    @classmethod
+    def _open_remote(cls, root: str, catalog, create: bool) -> "AdapterStore":
+        blobs = open_blobs(root)
+        recorded = blobs.default_catalog()
+        if recorded is None and not create:
+            raise StoreNotFoundError(_not_a_store(root))
+        if catalog is None and recorded is None:
+            raise StoreNotFoundError(f"{root}: a new s3:// store needs its catalog named (--catalog postgresql://… for "
+                                     "one shared by several machines, or a SQLite path for this one)")
+        if recorded is None:
+            blobs.remember_catalog(os.fspath(catalog))
+        store = cls.__new__(cls)
+        store.root, store.blobs = root, blobs
+        store.catalog = open_catalog(catalog if catalog is not None else recorded)
+        return store
 
     # ---- policies ----
     def create_policy(self, name: str, base: BaseFingerprint, meta: Mapping[str, Any] | None = None) -> PolicyRecord:
@@ -155,7 +188,7 @@ class AdapterStore:
         return self.catalog.resolve(ref)
 
     def load(self, ref: str, *, resident_base: BaseFingerprint | None = None, verify: bool = True, pin_memory: bool = False) -> LoadedRevision:
-        """Read a revision's tensors from disk (hash-verified; base-checked when `resident_base` is given)."""
+        """Read a revision's tensors from the blob store (hash-verified; base-checked when `resident_base` is given)."""
         rec = self.catalog.resolve(ref)
         if not self.blobs.exists(rec.id):
             raise LifecycleError(f"revision {rec.id[:12]} of policy {rec.policy!r} is registered but its bytes are missing from {self.blobs.root}"
@@ -189,8 +222,8 @@ class AdapterStore:
             freed += blob.size if dry_run else self.blobs.delete(blob.key)
         temps = self.blobs.stale_temp_files(grace_s)  # never a live writer's; a dead one's whatever its age
         if not dry_run:
-            for p in temps:
-                p.unlink(missing_ok=True)
+            for item in temps:
+                self.blobs.remove_temp(item)
         return GCReport(deleted, freed, len(temps), kept, dry_run)
 
     def close(self) -> None:
@@ -202,3 +235,18 @@ class AdapterStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def open_blobs(root: str | os.PathLike) -> BlobBackend:
+    """The blob backend of a store location: `s3://bucket/prefix` -> S3 under `<prefix>/blobs/`, else `<root>/blobs/`."""
+    if is_remote_store(root):
+        from dsv4flash.lifecycle.s3_blobstore import S3BlobStore
+
+        return S3BlobStore(f"{os.fspath(root).rstrip('/')}/blobs")
+    from dsv4flash.lifecycle.blobstore import BlobStore
+
+    return BlobStore(Path(root) / "blobs")
+
+
+def _not_a_store(root) -> str:
+    return f"{root}: no adapter store here (create one with `dsv4flash lifecycle --root {root} init`)"

@@ -4,11 +4,15 @@
   READY    the revision is in a device slot (`lease.slot`),
   LOADING  a slot was assigned and the cold load is running in the loader pool,
   QUEUED   every slot is held by an in-flight request; the lease waits in FIFO order and is
-           dispatched when a holder releases (backpressure as a state, not an error),
+           dispatched when a holder releases (backpressure as a state, not an error; with `max_queue`
+           the queue is bounded and one more request raises `SlotQueueFull` with a retry-after estimate),
   FAILED   the load raised (integrity, base mismatch…); `wait()` re-raises it.
 Cold loads of several missing adapters run concurrently in a thread pool (read, hash, unpack and
 device copy of different adapters overlap); `workers=1` gives the serial baseline. Every load is
-accounted (`LoadAccount`: source tier, bytes, tensors, queued/read/unpack/device ms).
+accounted (`LoadAccount`: source tier, bytes, tensors, queued/read/unpack/device ms); `hits` counts every
+acquire by the tier that served it (resident, cpu, disk). `prepare(loaded)` (optional) turns a revision read
+from the CPU tier into what the slot holds (the serving path decodes the adapter and its placement there, in
+the loader pool) -> (tensors, meta); `lease.meta` is that meta.
 """
 
 from __future__ import annotations
@@ -16,13 +20,13 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from dsv4flash.lifecycle.cpu_cache import CpuCache
-from dsv4flash.lifecycle.errors import LifecycleError
+from dsv4flash.lifecycle.errors import LifecycleError, SlotQueueFull
 from dsv4flash.lifecycle.fingerprint import BaseFingerprint
 from dsv4flash.lifecycle.loader import LoadAccount, LoadedRevision, read_revision_blob
 from dsv4flash.lifecycle.slots import SlotPool
@@ -47,6 +51,7 @@ class _Slot:
     refcount: int = 0
     future: Future | None = None
     last_used: float = 0.0
+    meta: Any = None
 
 
 class Lease:
@@ -61,6 +66,15 @@ class Lease:
         self._queued_at: float | None = None
         self._released = False
         self._dispatched = threading.Event()
+
+    @property
+    def meta(self) -> Any:
+        """What `prepare` returned beside the tensors (None without `prepare`); valid once READY."""
+        return self._cache._slots[self.slot].meta
+
+    def tensors(self) -> dict:
+        """The slot's tensors (valid once READY, until released)."""
+        return self._cache.slots.view(self.slot)
 
     @property
     def state(self) -> LeaseState:
@@ -109,10 +123,18 @@ class AdapterCache:
         workers: int = 4,
         verify: bool = True,
         resident_base: BaseFingerprint | None = None,
+        cpu_max_entries: int | None = None,
+        max_queue: int | None = None,
+        prepare: Callable[[LoadedRevision], tuple[dict, Any]] | None = None,
     ):
         self.store = store
         self.slots = slots
-        self.cpu = CpuCache(cpu_budget_bytes)
+        self.cpu = CpuCache(cpu_budget_bytes, cpu_max_entries)
+        self.max_queue = max_queue
+        self.prepare = prepare
+        self.hits: Counter = Counter()  # acquires by the tier that served them: resident / cpu / disk
+        self.loading = 0  # slot loads running now
+        self.loading_peak = 0  # the most that ever ran at once (> 1: loads overlapped)
         self.verify = verify
         self.resident_base = resident_base
         self.accounts: list[LoadAccount] = []
@@ -127,12 +149,18 @@ class AdapterCache:
     # ---- public API ----
     def acquire(self, ref: str) -> Lease:
         """Request a revision in a device slot; returns at once with a READY/LOADING/QUEUED lease."""
-        rev = self.store.resolve(ref).id
+        with self._lock:  # a revision id already in a slot needs no catalog query (the hot path of serving)
+            known = ref in self._by_rev
+        rev = ref if known else self.store.resolve(ref).id
         lease = Lease(self, rev)
         with self._lock:
             if not self._attach(lease):
                 idx = self._free_slot()
                 if idx is None:
+                    if self.max_queue is not None and len(self._queue) >= self.max_queue:
+                        raise SlotQueueFull(f"all {len(self._slots)} adapter slots are busy and {len(self._queue)} "
+                                            f"requests already wait for one (the queue holds {self.max_queue})",
+                                            self._retry_after())
                     lease._queued_at = time.perf_counter()
                     self._queue.append(lease)
                 else:
@@ -164,6 +192,12 @@ class AdapterCache:
             threading.Thread(target=finish, daemon=True, name="adapter-prewarm").start()
             out.append(done)
         return out
+
+    def _retry_after(self) -> float:
+        """Seconds until a queued request is likely to get a slot: the queue's share of the recent load times."""
+        recent = [a.total_ms for a in self.accounts[-32:]] or [1000.0]
+        per_load_s = sum(recent) / len(recent) / 1e3
+        return max(1.0, round(per_load_s * (len(self._queue) + 1) / max(1, len(self._slots)), 1))
 
     def pin_cpu(self, ref: str) -> None:
         """Keep a revision in the CPU tier regardless of LRU (e.g. the `prod` tag)."""
@@ -200,6 +234,8 @@ class AdapterCache:
         if lease.account is None:
             done = slot.future.done() and slot.future.exception() is None
             lease.account = LoadAccount(lease.revision, "resident") if done else None
+            if done:
+                self.hits["resident"] += 1
         lease._dispatched.set()
         return True
 
@@ -285,12 +321,25 @@ class AdapterCache:
 
     def _load_into_slot(self, idx: int, lease: Lease, queued_ms: float) -> int:
         t0 = time.perf_counter()
+        with self._lock:
+            self.loading += 1
+            self.loading_peak = max(self.loading_peak, self.loading)
+        try:
+            return self._load_timed(idx, lease, queued_ms, t0)
+        finally:
+            with self._lock:
+                self.loading -= 1
+
+    def _load_timed(self, idx: int, lease: Lease, queued_ms: float, t0: float) -> int:
         try:
             loaded, source = self._get_cpu(lease.revision)
             t1 = time.perf_counter()
             manifest = loaded.manifest
             scaling = (manifest.alpha / manifest.rank) if manifest.alpha and manifest.rank else 1.0
-            self.slots.write(idx, loaded.tensors, scaling, source=f"revision {lease.revision[:12]}")
+            tensors, meta = self.prepare(loaded) if self.prepare is not None else (loaded.tensors, None)
+            self.slots.write(idx, tensors, scaling, source=f"revision {lease.revision[:12]}")
+            with self._lock:
+                self._slots[idx].meta = meta
             t2 = time.perf_counter()
         except BaseException:
             with self._lock:
@@ -306,5 +355,7 @@ class AdapterCache:
                            device_ms=(t2 - t1) * 1e3, total_ms=queued_ms + (t2 - t0) * 1e3)
         with self._lock:
             self.accounts.append(acct)
+            del self.accounts[:-10000]  # a long-running server keeps the recent ones
+            self.hits[source] += 1
             lease.account = acct
         return idx

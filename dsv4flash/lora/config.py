@@ -4,7 +4,9 @@ A placement is declarative: `include` / `exclude` target rules over release modu
 (`layers.{i}.attn.wq_a`, `layers.{i}.ffn.experts.{e}.w1`, `vision.blocks.{b}.attn.wqkv`, ...), a layer
 range (`all`, `encoder`, `decoder`, or explicit ids), plus the two structural switches of the study:
 `freeze_kv_write` (the CED source layer's KV writers stay the base's) and `vit` (`frozen` | `train`).
-A preset fills every field the caller leaves as `None`; explicit fields always win.
+A preset fills every field the caller leaves as `None`; explicit fields win, except that a preset which fixes its
+rank (`full_linear_r8`) refuses another explicit rank. `train_head` adds a LoRA on the output head `head` (Tinker's
+`train_unembed`; PEFT loads it as the `head` module of `DeepseekV41ForCausalLM`).
 
 Rule syntax (see docs/lora.md): `*` matches inside one dotted component, `**` across components,
 `?` one character, `[abc]` a character class; a rule starting with `re:` is a full-match regex.
@@ -14,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
-# "Every linear" of the language model, as the study adapts them (architecture.md §13 "LoRA candidates").
+# "Every linear" of the language model, as the study adapts them (docs/architecture.md §13, "LoRA candidates").
 # The router gate is not in the list (see docs/lora.md) and the indexer can never be targeted.
 LM_LINEAR_RULES: tuple[str, ...] = (
     "layers.*.attn.wq_a",
@@ -40,12 +43,18 @@ WO_A_MODES = ("per_group", "shared_a")
 EXPERT_MODES = ("per_expert", "shared_outer")
 
 
+DEFAULT_RANK = 16  # the study's rank, for every preset that does not fix one
+
+
 @dataclass(frozen=True)
 class PresetSpec:
-    """A named placement: the values a `LoraConfig` takes for every field the caller leaves unset."""
+    """A named placement: the values a `LoraConfig` takes for every field the caller leaves unset.
+
+    `rank=None`: the preset places LoRA at any rank (DEFAULT_RANK when unset); an int fixes it, and a `LoraConfig`
+    asking for another rank under this preset is an error."""
 
     description: str
-    rank: int = 16
+    rank: int | None = None
     include: tuple[str, ...] = LM_LINEAR_RULES
     exclude: tuple[str, ...] = ()
     layers: str = "all"
@@ -87,6 +96,7 @@ class LoraConfig:
     `shared_a` (one A for all groups, per-group B_g; miles/NeMo, G× fewer A parameters). `expert_lora`
     picks the routed-expert parameterisation: `per_expert` (A_e, B_e for every expert) or `shared_outer`
     (w1/w3 share A, w2 shares B across the experts; ~3× fewer routed parameters, see docs/lora.md).
+    `train_head` adds a LoRA on the output head (`head`) to whatever the rules select.
     """
 
     preset: str = "full_linear"
@@ -103,6 +113,7 @@ class LoraConfig:
     wo_a_lora: str = "per_group"
     expert_lora: str = "per_expert"
     seed: int = 0
+    train_head: bool = False
     # Filled by __post_init__: whether `include` came from the preset (preset rules may match nothing
     # on a model that lacks, say, Engram; explicit rules must match something).
     include_from_preset: bool = field(default=False, repr=False)
@@ -118,7 +129,12 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.preset: unknown preset {self.preset!r}; expected one of "
                              f"{sorted(PRESETS)} or {CUSTOM!r}")
         self.include_from_preset = self.include_from_preset or self.include is None
-        for name in ("rank", "layers", "freeze_kv_write", "vit", "vit_lr_mult", "include", "exclude"):
+        if spec.rank is not None and self.rank is not None and self.rank != spec.rank:
+            raise ValueError(f"LoraConfig.rank: {self.rank!r} conflicts with preset {self.preset!r}, which fixes rank "
+                             f"{spec.rank}; leave rank unset or pick a preset that takes any rank (e.g. full_linear)")
+        if self.rank is None:
+            self.rank = DEFAULT_RANK if spec.rank is None else spec.rank
+        for name in ("layers", "freeze_kv_write", "vit", "vit_lr_mult", "include", "exclude"):
             if getattr(self, name) is None:
                 value = getattr(spec, name)
                 setattr(self, name, list(value) if isinstance(value, tuple) else value)
@@ -142,6 +158,8 @@ class LoraConfig:
             raise ValueError(f"LoraConfig.wo_a_lora must be one of {WO_A_MODES}, got {self.wo_a_lora!r}")
         if self.expert_lora not in EXPERT_MODES:
             raise ValueError(f"LoraConfig.expert_lora must be one of {EXPERT_MODES}, got {self.expert_lora!r}")
+        if not isinstance(self.train_head, bool):
+            raise ValueError(f"LoraConfig.train_head must be a bool, got {self.train_head!r}")
         if self.lora_dtype not in LORA_DTYPES:
             raise ValueError(f"LoraConfig.lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
         for kind in ("include", "exclude"):
@@ -157,6 +175,13 @@ class LoraConfig:
     def to_dict(self) -> dict:
         """Plain JSON-able dict of the resolved fields (round-trips through `from_dict`)."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_recipe(cls, node: Any) -> "LoraConfig":
+        """The placement of a recipe's `lora` node (a dataclass or mapping; keys LoraConfig lacks, e.g. `enabled`, are dropped)."""
+        values = dataclasses.asdict(node) if dataclasses.is_dataclass(node) else dict(node)
+        known = {f.name for f in dataclasses.fields(cls)} - {"include_from_preset"}
+        return cls(**{k: v for k, v in values.items() if k in known})
 
     @classmethod
     def from_dict(cls, data: dict) -> "LoraConfig":

@@ -66,7 +66,8 @@ def _linear_with_lora(module, x: torch.Tensor, batch_factor) -> torch.Tensor:
     batch = active_batch()
     if batch is not None:
         return batch.add_deltas(x, out, lambda i, rows: lora_forward(
-            rows, batch_factor(batch, i, "lora_A"), batch_factor(batch, i, "lora_B"), module.scaling,
+            rows, batch_factor(batch, i, "lora_A"), batch_factor(batch, i, "lora_B"),
+            batch.scaling(i, module.scaling),
             module.lora_dropout, module.training))
     return out + lora_forward(x, module.lora_A, module.lora_B, module.scaling, module.lora_dropout,
                               module.training).to(out.dtype)
@@ -123,7 +124,7 @@ class GroupedLoraProjection(GroupedOutputProjection, LoraModule):
         batch = active_batch()
         if batch is not None:
             return batch.add_deltas(o, out, lambda i, rows: grouped_lora_forward(
-                rows, batch.factor(i, self, "lora_A"), batch.factor(i, self, "lora_B"), self.scaling,
+                rows, batch.factor(i, self, "lora_A"), batch.factor(i, self, "lora_B"), batch.scaling(i, self.scaling),
                 self.lora_dropout, self.training))
         return out + grouped_lora_forward(o, self.lora_A, self.lora_B, self.scaling, self.lora_dropout,
                                           self.training).to(out.dtype)
@@ -234,7 +235,7 @@ class LoraGate(Gate, LoraModule):
         batch = active_batch()
         if batch is not None:
             return torch.sqrt(F.softplus(batch.add_deltas(x.float(), logits, lambda i, rows: lora_forward(
-                rows, batch.factor(i, self, "lora_A"), batch.factor(i, self, "lora_B"), self.scaling,
+                rows, batch.factor(i, self, "lora_A"), batch.factor(i, self, "lora_B"), batch.scaling(i, self.scaling),
                 self.lora_dropout, self.training).float())))
         logits = logits + lora_forward(x.float(), self.lora_A, self.lora_B, self.scaling, self.lora_dropout,
                                        self.training).float()

@@ -97,6 +97,11 @@ def to_layout(canonical: Mapping[str, torch.Tensor], layout: str) -> LayoutTenso
     _check_layout(layout)
     out = LayoutTensors({})
     for module, (a, b) in factor_pairs(canonical, "<canonical>").items():
+        if module == "head" and layout == "vllm":  # the vllm_3d export goes through here too
+            # vLLM names the head `lm_head` and the dsv4flash plugin maps no LoRA onto it; refused, never dropped
+            raise AdapterLayoutError("head.lora_A.weight: a LoRA on the output head (train_unembed / "
+                                     "LoraConfig.train_head) has no vLLM layout; train with train_unembed=False to "
+                                     "serve the adapter with vLLM, or export the peft layout")
         packed = _PACKED.fullmatch(module)
         if packed and layout in PER_EXPERT_LAYOUTS:
             n = a.shape[0] if a.dim() == 3 else b.shape[0]

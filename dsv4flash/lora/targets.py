@@ -197,6 +197,7 @@ def resolve_targets(model: nn.Module, cfg: LoraConfig) -> list[Candidate]:
     text = model.cfg.text
     wanted_layers = layer_ids(cfg.layers, text.num_hidden_layers, model.cfg.decoder_start)
     include = list(cfg.include) + (list(VIT_RULES) if cfg.vit == "train" else [])
+    include += ["head"] if cfg.train_head else []
     _check_rules(cfg, cands, include)
     frozen = set(kv_write_modules(model)) if cfg.freeze_kv_write else set()
     selected = []
@@ -221,7 +222,7 @@ def _check_rules(cfg: LoraConfig, cands: list[Candidate], include: list[str]) ->
     for rule in include:
         if "indexer" in rule:
             raise ValueError(f"LoRA target rule {rule!r}: the indexer never gets LoRA (its top-k selection is "
-                             "discrete, so it receives no LM gradient; architecture.md §13)")
+                             "discrete, so it receives no LM gradient; docs/architecture.md §13)")
         if rule.startswith("mtp") or rule.startswith("re:mtp"):
             raise ValueError(f"LoRA target rule {rule!r}: DSpark draft blocks (mtp.*) are never run in training")
     explicit = list(cfg.exclude) + ([] if cfg.include_from_preset else list(cfg.include))
@@ -258,3 +259,15 @@ def expert_site(name: str) -> tuple[str, int, str] | None:
     """`layers.{i}.ffn.experts.{e}.{w}` -> (`layers.{i}.ffn`, e, w), else None."""
     m = _EXPERT.fullmatch(name)
     return (m.group(1), int(m.group(3)), m.group(4)) if m else None
+
+
+@lru_cache(maxsize=2)
+def meta_model(config_json: str) -> nn.Module:
+    """The reference model of an HF config (JSON text) on the meta device, to resolve placements on without
+    memory for weights (~10 s for the full-size module tree)."""
+    import json
+
+    from dsv4flash.config import DSV41FlashConfig
+    from dsv4flash.model.transformer import Transformer
+
+    return Transformer(DSV41FlashConfig.from_hf(json.loads(config_json)), device="meta", seed=None)

@@ -1,4 +1,4 @@
-"""DSpark draft blocks (`mtp.{k}.*`, architecture.md §8.4): held, loaded and converted, never run.
+"""DSpark draft blocks (`mtp.{k}.*`, docs/architecture.md §8.4): held, loaded and converted, never run.
 
 Every training port drops the draft blocks, and so do we: they exist so that a checkpoint builds, loads,
 converts and round-trips with all 2,401 `mtp.*` tensors. Each block is a window-only V4.1 block with its

@@ -1,4 +1,4 @@
-"""Engram: n-gram hash lookups written into the mHC streams through a gated value (architecture.md §6).
+"""Engram: n-gram hash lookups written into the mHC streams through a gated value (docs/architecture.md §6).
 
 Two pieces, kept apart because they scale differently:
 

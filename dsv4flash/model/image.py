@@ -1,4 +1,4 @@
-"""Image preprocessing and image spans in the token stream (architecture.md §7, REF-IMG).
+"""Image preprocessing and image spans in the token stream (docs/architecture.md §7).
 
 An image becomes an `n_h × n_w` ViT patch grid and, after the 3×3 aligner, an `H' × W'` token grid that the
 LLM sees as the span
@@ -25,6 +25,7 @@ __all__ = [
     "ImageInput", "ImagePlan", "PaddedPrompts",
     "num_image_tokens", "llm_grid_hw", "image_token_types", "plan_image_grid", "load_rgb", "preprocess_image",
     "expand_image_placeholders", "compact_image_placeholders", "prepare_vl_inputs", "fill_image_embeddings", "pad_prompts",
+    "split_pixel_values",
 ]
 
 TEXT, IMAGE_START, IMAGE, IMAGE_NEWLINE, IMAGE_END = -1, 0, 1, 2, 3
@@ -217,6 +218,17 @@ def compact_image_placeholders(input_ids: Any, images: Sequence[ImageInput], cfg
             out.append(ids[i])
             i += 1
     return out
+
+
+def split_pixel_values(pixel_values: torch.Tensor, image_grid_hw: Any) -> list[ImageInput]:
+    """The processor's `pixel_values` [Σ n_h·n_w, 3·p·p] (images concatenated) + `image_grid_hw` [n_images, 2]
+    -> one ImageInput per image, in order."""
+    grids = image_grid_hw.tolist() if torch.is_tensor(image_grid_hw) else [list(g) for g in image_grid_hw]
+    sizes = [int(h) * int(w) for h, w in grids]
+    if pixel_values.ndim != 2 or pixel_values.shape[0] != sum(sizes):
+        raise ValueError(f"pixel_values must be [{sum(sizes)}, 3*p*p] for image_grid_hw {grids}, "
+                         f"got {list(pixel_values.shape)}")
+    return [ImageInput(p, (int(h), int(w))) for p, (h, w) in zip(pixel_values.split(sizes), grids)]
 
 
 def prepare_vl_inputs(input_ids: Any, images: Sequence[Any], cfg: DSV41FlashConfig,

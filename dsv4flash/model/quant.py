@@ -1,4 +1,4 @@
-"""Runtime fake-quant points of the training forward (architecture.md §10), straight-through in backward.
+"""Runtime fake-quant points of the training forward (docs/architecture.md §10), straight-through in backward.
 
 Three points are kept: the window KV (FP8 E4M3, 32-lane blocks, power-of-two scale), the compressed KV
 (E2M1 values, 16-lane blocks, E4M3 scale) and the index Q/K (E2M1, 32-lane blocks, power-of-two scale).

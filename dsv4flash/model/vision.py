@@ -1,4 +1,4 @@
-"""Vision tower (ViT with 2D rotate-half RoPE) and the 3×3 aligner into the text width (architecture.md §7).
+"""Vision tower (ViT with 2D rotate-half RoPE) and the 3×3 aligner into the text width (docs/architecture.md §7).
 
 One image at a time: the ViT attends bidirectionally over that image's patches only, and the aligner folds
 each 3×3 patch neighbourhood into one LLM token. Parameter names follow the release (`vision.*`, `aligner.*`

@@ -1,6 +1,6 @@
 """The on-disk patch series: `patches/<upstream>/base.txt` and `NNNN-<slug>.patch` files with git trailers.
 
-The trailers are the source of truth (style.md §8). This module parses them and validates everything that
+The trailers are the source of truth (docs/patches.md). This module parses them and validates everything that
 can be checked without fetching the upstream release: required keys, vocabularies, dependency order,
 Remove-When syntax, test files, and agreement with the runtime twin of the same Patch-Id.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from dsv4flash.patchseries import predicate
+from dsv4flash.patching import predicate
 
 UPSTREAM_FOLDERS = ("megatron-lm", "megatron-bridge", "vllm", "verl")
 REQUIRED_TRAILERS = (

@@ -108,9 +108,9 @@ def test_key(item: pytest.Item) -> str:
 
 def _twin(patch_id: str):
     """The registered runtime twin for a Patch-Id (all twins discovered)."""
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    return _patching.discover(os.environ.get("DSV4FLASH_TWIN_PACKAGE") or _patching.TWIN_PACKAGE_ROOT).get(patch_id)
+    return twins.discover(os.environ.get("DSV4FLASH_TWIN_PACKAGE") or twins.TWIN_PACKAGE_ROOT).get(patch_id)
 
 
 def _upstream_module(twin) -> Any:
@@ -152,9 +152,9 @@ def patch_form(request: pytest.FixtureRequest):
             _child_records_for(request.node)["records"] = form.records
     else:
         assert not from_copy, f"runtime form must run on the stock {twin.meta.distribution}"
-        from dsv4flash import _patching
+        from dsv4flash.patching import twins
 
-        active_before = {t.meta.patch_id for t in _patching.REGISTRY.all() if t.applied}
+        active_before = {t.meta.patch_id for t in twins.REGISTRY.all() if t.applied}
         outcome = twin.apply(mode="auto")
         if not outcome.active:
             pytest.skip(f"runtime twin {patch_id} not applied here ({outcome.value})")
@@ -164,7 +164,7 @@ def patch_form(request: pytest.FixtureRequest):
             yield form
         finally:
             # Revert this twin and the Depends-On twins it pulled in, so no test leaves twins behind.
-            for other in reversed(_patching.REGISTRY.all()):
+            for other in reversed(twins.REGISTRY.all()):
                 if other.applied and other.meta.patch_id not in active_before:
                     other.revert()
             if not child:

@@ -10,15 +10,18 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Generic, TypeVar
 
+from dsv4flash.service.calls import StopToken, running
+
 T = TypeVar("T")
 
 
 class APIFuture(Generic[T]):
     """A pending result: `.result(timeout)` blocks, `await .result_async()` does not."""
 
-    def __init__(self, future: Future, request_id: str) -> None:
+    def __init__(self, future: Future, request_id: str, stop: StopToken | None = None) -> None:
         self._future = future
         self.request_id = request_id
+        self.stop = stop or StopToken()
 
     def result(self, timeout: float | None = None) -> T:
         """The value (re-raises the call's error)."""
@@ -31,6 +34,14 @@ class APIFuture(Generic[T]):
     def done(self) -> bool:
         """Whether the call has finished."""
         return self._future.done()
+
+    def cancel(self) -> bool:
+        """Cancel a queued call, or stop a running one at its next step (it then fails with `CallCancelled`)."""
+        return self._future.cancel() or (not self._future.done() and self.stop.cancel())
+
+    def set_deadline(self, seconds: float | None) -> None:
+        """Stop the call (`CallTimedOut`) once it has run `seconds` from its first turn on the base."""
+        self.stop.deadline_s = None if seconds is None else float(seconds)
 
     @property
     def future(self) -> Future:
@@ -61,19 +72,20 @@ class OrderedExecutor:
     def submit(self, fn: Callable[..., Any], *args, **kwargs) -> APIFuture:
         """Queue `fn(*args, **kwargs)`; the request id is `<name>:<seq>` (deterministic per client)."""
         fut: Future = Future()
+        stop = StopToken()
         with self._lock:
             self._seq += 1
             request_id = f"{self.name}:{self._seq}"
-            self._queue.put((fut, fn, args, kwargs))
+            self._queue.put((fut, stop, fn, args, kwargs))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=f"dsv4flash-{self.name}", daemon=True)
                 self._thread.start()
-        return APIFuture(fut, request_id)
+        return APIFuture(fut, request_id, stop)
 
     def _loop(self) -> None:
         while True:
             try:
-                fut, fn, args, kwargs = self._queue.get(timeout=self.idle_s)
+                fut, stop, fn, args, kwargs = self._queue.get(timeout=self.idle_s)
             except queue.Empty:
                 with self._lock:  # submit() enqueues under this lock, so nothing can slip in unseen
                     if self._queue.empty():
@@ -83,7 +95,9 @@ class OrderedExecutor:
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                with self.gate(fn) if self.gate is not None else contextlib.nullcontext():
+                with running(stop), self.gate(fn) if self.gate is not None else contextlib.nullcontext():
+                    stop.start()
+                    stop.check()  # cancelled while it waited for its turn
                     result = fn(*args, **kwargs)
             except BaseException as exc:  # the caller sees it from .result()
                 fut.set_exception(exc)

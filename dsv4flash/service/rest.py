@@ -8,11 +8,16 @@ TTL passed. Deleting a checkpoint removes its tag and retires the revision when 
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timezone
 
+from tinker.types import Checkpoint, CheckpointsListResponse, Cursor, TrainingRun, TrainingRunsResponse
+
 from dsv4flash.service.futures import APIFuture, OrderedExecutor
-from dsv4flash.service.types import (Checkpoint, CheckpointArchiveUrlResponse, CheckpointsListResponse, Cursor,
-                                     ParsedCheckpointTinkerPath, TrainingRun, TrainingRunsResponse)
+from dsv4flash.service.types import CheckpointArchiveUrlResponse, ParsedCheckpointTinkerPath
+
+log = logging.getLogger("dsv4flash.service")
+
 
 def _when(ts: float | None) -> datetime | None:
     return None if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc)
@@ -77,13 +82,16 @@ class RestClient:
         catalog = self.service.store.catalog
         out = []
         for tag, rev_id in catalog.tags(run_id).items():
-            kind, _, name = tag.partition(".")
-            if kind not in ("weights", "sampler_weights"):
-                continue  # a tag set through the lifecycle API, not a Tinker checkpoint
-            path = ParsedCheckpointTinkerPath.from_tinker_path(f"tinker://{run_id}/{kind}/{name}")
-            rev, entry = catalog.lookup(rev_id), self.service.checkpoints.get(path.tinker_path)
-            out.append(Checkpoint(f"{kind}/{name}", path.checkpoint_type, _when(rev.created), path.tinker_path,
-                                  int(rev.nbytes), bool(entry["public"]), _when(entry["expires_at"])))
+            try:  # one row that cannot be shown (a name no path can spell, a time out of range) must not fail the list
+                path = ParsedCheckpointTinkerPath.from_tag(run_id, tag)
+                if path is None:
+                    continue  # a tag set through the lifecycle API, not a Tinker checkpoint
+                rev, entry = catalog.lookup(rev_id), self.service.checkpoints.get(path.tinker_path)
+                out.append(Checkpoint(checkpoint_id=path.run_relative, checkpoint_type=path.checkpoint_type,
+                                      time=_when(rev.created), tinker_path=path.tinker_path, size_bytes=int(rev.nbytes),
+                                      public=bool(entry["public"]), expires_at=_when(entry["expires_at"])))
+            except (ValueError, TypeError, OverflowError, OSError, LookupError) as exc:
+                log.warning("listing of run %s: checkpoint %s skipped (%s)", run_id, tag, exc)
         out.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)
         return out
 
@@ -94,20 +102,24 @@ class RestClient:
         info = dict(meta.get("dsv4flash_service") or {})
         last = next((c for c in checkpoints if c.checkpoint_type == "training"), None)
         last_sampler = next((c for c in checkpoints if c.checkpoint_type == "sampler"), None)
-        return TrainingRun(run_id, info.get("base_model", self.service.base.base_model), "local", True, False,
-                           info.get("lora_rank"), _when(record.updated), last, last_sampler,
-                           meta.get("user_metadata"))
+        rank = info.get("rank", info.get("lora_rank"))  # records written before the rename say lora_rank
+        user_metadata = {str(k): str(v) for k, v in (meta.get("user_metadata") or {}).items()} or None
+        return TrainingRun(training_run_id=run_id, base_model=info.get("base_model", self.service.base.base_model),
+                           model_owner="local", is_lora=True, corrupted=False, lora_rank=rank,
+                           last_request_time=_when(record.updated), last_checkpoint=last,
+                           last_sampler_checkpoint=last_sampler, user_metadata=user_metadata)
 
     def _list_checkpoints(self, run_id: str) -> CheckpointsListResponse:
         self.service.expire_checkpoints()
         out = self._checkpoints_of(run_id)
-        return CheckpointsListResponse(out, Cursor(0, len(out), len(out)))
+        return CheckpointsListResponse(checkpoints=out, cursor=Cursor(offset=0, limit=len(out), total_count=len(out)))
 
     def _list_user_checkpoints(self, limit: int, offset: int) -> CheckpointsListResponse:
         self.service.expire_checkpoints()
         every = [c for run_id in self.service.store.catalog.list_policies() for c in self._checkpoints_of(run_id)]
         every.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)
-        return CheckpointsListResponse(every[offset:offset + limit], Cursor(offset, limit, len(every)))
+        return CheckpointsListResponse(checkpoints=every[offset:offset + limit],
+                                       cursor=Cursor(offset=offset, limit=limit, total_count=len(every)))
 
     def _run(self, run_id: str) -> TrainingRun:
         self.service.expire_checkpoints()
@@ -117,7 +129,8 @@ class RestClient:
         self.service.expire_checkpoints()
         runs = [self._training_run(name) for name in self.service.store.catalog.list_policies()]
         runs.sort(key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
-        return TrainingRunsResponse(runs[offset:offset + limit], Cursor(offset, limit, len(runs)))
+        return TrainingRunsResponse(training_runs=runs[offset:offset + limit],
+                                    cursor=Cursor(offset=offset, limit=limit, total_count=len(runs)))
 
     def _flag(self, path: str, public: bool) -> None:
         self.service.require_checkpoint(path)
@@ -128,13 +141,7 @@ class RestClient:
         self.service.checkpoints.set(path, ttl_seconds=ttl_seconds)
 
     def _archive(self, path: str) -> CheckpointArchiveUrlResponse:
-        from dsv4flash.lora import save_peft_adapter
-
-        target = self.service.archive_dir(path, self.service.require_checkpoint(path).id)
-        if not target.exists():
-            tensors, _, placement = self.service._read_checkpoint(path, False)
-            with self.service.base.bind(placement, tensors) as shell:
-                save_peft_adapter(shell, None, target, base_model_name_or_path=self.service.base.base_model)
+        target, _ = self.service.peft_archive(path)
         return CheckpointArchiveUrlResponse(target.resolve().as_uri(),
                                             _when(self.service.checkpoints.get(path)["expires_at"]))
 

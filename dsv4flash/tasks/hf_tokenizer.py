@@ -6,7 +6,7 @@ encodes every task text to exactly the ids of `TaskTokenizer.encode` (lower-casi
 `<image>` as the config's `image_token_id`; an unknown word is an error; ids no task text uses decode as
 `<unusedN>`). The chat template renders a conversation as the local engine does a prompt: `bos` + the user
 text, nothing added for generation. The Tinker-protocol server serves the same files
-(`dsv4flash.service.protocol.hf_tokenizer`).
+(`dsv4flash.tasks.text_tokenizer`).
 Decoding joins tokens with spaces (digits too); `canonical_text` maps such text back to the task form.
 """
 

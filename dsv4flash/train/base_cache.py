@@ -20,8 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from dsv4flash.engine.local import fingerprint, run_local
-from dsv4flash.engine.model_io import MANIFEST, read_manifest
+from dsv4flash.engine.fingerprint import MANIFEST, fingerprint
 from dsv4flash.train.compose import compose, to_train_config
 
 PRETRAIN_RECIPE = "pretrain_tiny"
@@ -79,8 +78,20 @@ def cached_base_dir(cfg: Any, pcfg: Any | None = None) -> Path:
     return cache_root(cfg) / "bases" / f"{PRETRAIN_RECIPE}-{base_key(pcfg)}" / "model"
 
 
-def ensure_base(cfg: Any, log=print) -> Path | None:
-    """The base directory to load for `cfg`, building the pretrain_tiny base when it is missing."""
+def base_plan(cfg: Any) -> tuple[Path | None, bool]:
+    """(the base directory `cfg` loads, whether it must be built first); torch-free, for the run's first line."""
+    base = cfg.model.base
+    if base == "random":
+        return None, False
+    if base != PRETRAIN_RECIPE:
+        return Path(base).expanduser(), False
+    target = cached_base_dir(cfg)
+    return target, not (target / MANIFEST).is_file()
+
+
+def ensure_base(cfg: Any, log=print, progress: Any = None) -> Path | None:
+    """The base directory to load for `cfg`, building the pretrain_tiny base when it is missing (`progress`: the
+    caller's ProgressLog, so the build shows its steps and lands in the same run log)."""
     base = cfg.model.base
     if base == "random":
         return None
@@ -97,16 +108,25 @@ def ensure_base(cfg: Any, log=print) -> Path | None:
     with _locked(target.parent.with_name(target.parent.name + ".lock")):
         if (target / MANIFEST).is_file():  # built by a concurrent run while we waited
             return target
-        log(f"base model missing: building it with +recipe={PRETRAIN_RECIPE} into {target.parent} "
-            "(once; cached for later runs)")
-        result = run_local(pcfg, target.parent)
+        from dsv4flash.engine.local import run_local
+
+        log(f"base model missing: building it with +recipe={PRETRAIN_RECIPE} ({pcfg.engine.steps} steps) into "
+            f"{target.parent} (once; cached for later runs)")
+        result = run_local(pcfg, target.parent, log=progress)
         if result.model_dir != target:
             raise RuntimeError(f"pretrain run wrote its model to {result.model_dir}, expected {target}")
     return target
 
 
+def trained_base(flavour: str = "tiny", log=print) -> Path:
+    """The project's trained base of `flavour` (what the main job loads), built and cached like the main job's."""
+    return ensure_base(to_train_config(compose(None, [f"model.flavour={flavour}"])), log=log)
+
+
 def install_base(pcfg: Any, model_dir: Path, root: Path) -> Path:
     """Copy a finished pretrain run's model into the cache slot of its config (no-op when present)."""
+    from dsv4flash.engine.model_io import read_manifest
+
     target = root / "bases" / f"{PRETRAIN_RECIPE}-{base_key(pcfg)}" / "model"
     if (target / MANIFEST).is_file():
         return target

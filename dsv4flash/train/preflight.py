@@ -22,6 +22,7 @@ def check_run(cfg: Any) -> None:
     mcfg = load_config(cfg.model.flavour)
     if cfg.lora.enabled:
         check_lora(cfg.lora, mcfg)
+    check_lifecycle(cfg)
     if cfg.engine.name == "verl":
         check_parallel_layout(cfg.engine, mcfg)
         check_context_parallel_data(cfg.engine, cfg.data)
@@ -29,23 +30,40 @@ def check_run(cfg: Any) -> None:
         check_rollout_backend(cfg.engine.rollout)
 
 
+def check_lifecycle(cfg: Any) -> None:
+    """The policy name a run publishes into is a valid one, and its store root is not a file."""
+    from pathlib import Path
+
+    from dsv4flash.lifecycle.catalog.schema import TAG
+
+    if not cfg.lifecycle.publish:
+        return
+    policy = cfg.lifecycle.policy or cfg.recipe
+    if not TAG.fullmatch(policy):
+        key = "lifecycle.policy" if cfg.lifecycle.policy else "recipe (the default lifecycle.policy)"
+        raise RunConfigError(f"{key}={policy!r}: a policy name is letters, digits, '_', '-', '.' (at most 128, "
+                             "starting with a letter or digit)")
+    if cfg.lifecycle.root and Path(cfg.lifecycle.root).expanduser().is_file():
+        raise RunConfigError(f"lifecycle.root={cfg.lifecycle.root!r} is a file; expected an adapter store directory "
+                             "(created on the first publish)")
+
+
 def lora_config(lora: Any):
     """The `dsv4flash.lora.LoraConfig` of a recipe's `lora` node; its validation errors name `lora.<field>`."""
-    from dsv4flash.engine.local import _lora_config
+    from dsv4flash.lora.config import LoraConfig  # torch-free: a field out of range is refused before torch loads
 
     try:
-        return _lora_config(lora)
+        return LoraConfig.from_recipe(lora)
     except ValueError as err:
         raise RunConfigError(str(err).replace("LoraConfig.", "lora.").replace("LoraConfig(", "lora(")) from None
 
 
 def check_lora(lora: Any, mcfg: Any) -> None:
     """Field ranges, then the placement on the model (meta device): rules must select adaptable modules."""
+    lcfg = lora_config(lora)  # before the imports below (torch): a field out of range answers at once
     from dsv4flash.lora import kv_write_modules, resolve_targets
-    from dsv4flash.lora.targets import candidates, rule_matches
-    from dsv4flash.train.verl_config import meta_model
+    from dsv4flash.lora.targets import candidates, meta_model, rule_matches
 
-    lcfg = lora_config(lora)
     model = meta_model(mcfg.to_json())
     if lcfg.freeze_kv_write and not lcfg.include_from_preset:
         frozen = set(kv_write_modules(model))
@@ -95,6 +113,10 @@ def check_parallel_layout(eng: Any, mcfg: Any) -> None:
     for key, size in rollout:
         if size not in _divisors(world):
             raise RunConfigError(f"{key}={size} must divide the {world} ranks; allowed: {_divisors(world)}")
+    workers = eng.agent_loop_workers
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise RunConfigError(f"engine.agent_loop_workers={workers!r} must be a positive number of processes "
+                             "(or null for veRL's default)")
     if eng.rollout_expert_parallel_size > 1 and experts % eng.rollout_expert_parallel_size:
         raise RunConfigError(f"engine.rollout_expert_parallel_size={eng.rollout_expert_parallel_size} must divide "
                              f"the {experts} routed experts; allowed: {ep_ok}")

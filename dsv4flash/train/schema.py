@@ -22,8 +22,9 @@ class ModelConf:
     flavour: str = "tiny"
     # "pretrain_tiny" (built by the project, cached), "random" (seeded init) or a checkpoint directory
     base: str = "pretrain_tiny"
-    # training dtype of the base weights on the local engine
-    dtype: str = "float32"
+    # dtype of the base weights on the local engine: auto (the release's compute dtype, bfloat16, on CUDA; float32
+    # on the CPU), float32 or bfloat16
+    dtype: str = "auto"
     # cache root for built bases (default $DSV4FLASH_CACHE or ~/.cache/dsv4flash)
     cache_dir: Optional[str] = None
     # HF-format release checkpoint that veRL/Megatron-Bridge/vLLM load (engine=verl)
@@ -155,7 +156,7 @@ class GRPOAlgo:
 
 @dataclass
 class LocalEngine:
-    """Embedded single-process CPU engine."""
+    """Embedded single-process engine (CUDA when present, else the CPU)."""
 
     name: str = "local"
     steps: int = 100
@@ -178,6 +179,8 @@ class LocalEngine:
     threads: int = 1
     # rich progress bar (auto: only on a terminal)
     progress: str = "auto"
+    # where it computes: auto (CUDA when torch sees a device, else the CPU), cpu, cuda or cuda:N
+    device: str = "auto"
 
 
 @dataclass
@@ -215,6 +218,9 @@ class VerlEngine:
     rollout_tensor_parallel_size: int = 8
     rollout_expert_parallel_size: int = 8
     gpu_memory_utilization: float = 0.6
+    # veRL's agent-loop worker processes that split each step's rollout requests (each imports the whole stack;
+    # null: veRL's default, 8)
+    agent_loop_workers: Optional[int] = None
     # the plugin module veRL imports in every worker (HFModelConfig.external_lib)
     external_lib: str = "dsv4flash.integrations.verl.plugin"
     # where the exported parquet files and reward function go (default: output_dir/verl_data)
@@ -222,8 +228,9 @@ class VerlEngine:
     project_name: str = "dsv4flash"
     test_freq: int = 10
     save_freq: int = 50
-    # publish every checkpointed step (save_freq) as a lifecycle revision of policy <recipe> in <output_dir>/lifecycle
-    # and resume from that policy's head (dsv4flash.integrations.verl.lifecycle_trainer; legacy trainer only)
+    # publish every checkpointed step (save_freq) as a lifecycle revision of policy lifecycle.policy in the store
+    # lifecycle.root and resume from that policy's head (dsv4flash.integrations.verl.lifecycle_trainer; legacy
+    # trainer only)
     publish: bool = False
     # with publish: after every weight sync the rollout's log-probs of this fixed prompt are compared with the
     # actor's (metric weight_sync/fixed_prompt_logprob_diff_max; null: no check); a difference above the
@@ -232,6 +239,19 @@ class VerlEngine:
     sync_check_tolerance: Optional[float] = None
     # raw veRL overrides appended last (Hydra override grammar against verl's ppo_trainer)
     overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LifecycleConf:
+    """Where a run's adapters go: each saved one becomes a revision of a policy in an adapter store."""
+
+    # publish every saved adapter (engine=local: each checkpoint and the final adapter of a LoRA run)
+    publish: bool = True
+    # store root: a directory or an initialised s3://bucket/prefix store (docs/lifecycle.md); null: $DSV4FLASH_STORE,
+    # else $XDG_DATA_HOME/dsv4flash/store, else ~/.local/share/dsv4flash/store
+    root: Optional[str] = None
+    # policy name (null: the recipe's name)
+    policy: Optional[str] = None
 
 
 @dataclass
@@ -244,6 +264,7 @@ class TrainConfig:
     optim: OptimConf = field(default_factory=OptimConf)
     lora: LoraConf = field(default_factory=LoraConf)
     algorithm: Any = MISSING
+    lifecycle: LifecycleConf = field(default_factory=LifecycleConf)
     seed: int = 0
     # where outputs go (null: the Hydra run directory)
     output_dir: Optional[str] = None

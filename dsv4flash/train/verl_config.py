@@ -52,19 +52,11 @@ def hydra_value(value: Any) -> str:
     raise TypeError(f"cannot write {type(value).__name__} as a Hydra override value")
 
 
-@functools.lru_cache(maxsize=2)
-def meta_model(config_json: str):
-    """The reference model on the meta device (no memory for weights; ~10 s for the full-size module tree)."""
-    from dsv4flash.config import DSV41FlashConfig
-    from dsv4flash.model.transformer import Transformer
-
-    return Transformer(DSV41FlashConfig.from_hf(json.loads(config_json)), device="meta", seed=None)
-
-
 @functools.lru_cache(maxsize=32)
 def _selected_modules(config_json: str, lora_json: str) -> frozenset[str]:
     """Release module names a placement adapts (language model only)."""
     from dsv4flash.lora import LoraConfig, resolve_targets
+    from dsv4flash.lora.targets import meta_model
 
     targets = resolve_targets(meta_model(config_json), LoraConfig.from_dict(json.loads(lora_json)))
     return frozenset(c.name for c in targets if not c.name.startswith(("vision.", "aligner.")))
@@ -130,9 +122,11 @@ RUN_DIR_KEYS = ("data.train_files", "data.val_files", "trainer.default_local_dir
 
 
 def run_relative(path: str, output_dir: str) -> str:
-    """`path` relative to the run directory when it lies inside it, else unchanged (a user's shared path)."""
+    """`path` relative to the run directory when it lies inside it, else unchanged (a user's shared path, a URL)."""
     import os
 
+    if "://" in path:
+        return path
     rel = os.path.relpath(os.path.abspath(path), os.path.abspath(output_dir))
     return path if rel == ".." or rel.startswith(f"..{os.sep}") else rel
 
@@ -144,7 +138,7 @@ def pin_run_dir(config: DictConfig, run_dir: str) -> DictConfig:
     pinned = config.copy()
     for key in RUN_DIR_KEYS:
         value = OmegaConf.select(pinned, key)
-        if isinstance(value, str) and not os.path.isabs(value):
+        if isinstance(value, str) and not os.path.isabs(value) and "://" not in value:  # s3://… stays a URL
             OmegaConf.update(pinned, key, os.path.join(run_dir, value))
     return pinned
 
@@ -239,6 +233,8 @@ def verl_overrides(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str
         # a run restarted from a checkpoint samples what the uninterrupted run sampled (AGENT_LOOP_MANAGER below)
         "actor_rollout_ref.rollout.seed": cfg.seed,
     }
+    if eng.agent_loop_workers is not None:
+        settings["actor_rollout_ref.rollout.agent.num_workers"] = eng.agent_loop_workers
     if eng.max_length is not None:
         settings.update({
             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": eng.max_length,
@@ -256,8 +252,13 @@ def verl_overrides(cfg: Any, *, data_dir: str, output_dir: str, reward_path: str
     # in veRL's AgentLoopConfig dataclass, not in its yaml: added
     added = {"actor_rollout_ref.rollout.agent.agent_loop_manager_class": AGENT_LOOP_MANAGER}
     if eng.publish:  # keys veRL does not know: read by dsv4flash's LifecycleRayPPOTrainer
-        added.update({"trainer.dsv4flash_lifecycle.store": run_relative(f"{output_dir}/lifecycle", output_dir),
-                      "trainer.dsv4flash_lifecycle.policy": cfg.recipe})
+        from dsv4flash.train.publish import run_store
+
+        root, policy = run_store(cfg)
+        added.update({"trainer.dsv4flash_lifecycle.store": run_relative(str(root), output_dir),
+                      "trainer.dsv4flash_lifecycle.policy": policy,
+                      # the placement each revision carries, so `dsv4flash serve` rebuilds the adapter's shell
+                      "trainer.dsv4flash_lifecycle.placement": json.dumps(_lora(cfg).to_dict(), sort_keys=True)})
         if eng.sync_check_prompt:  # read by LifecycleRayPPOTrainer (dsv4flash.integrations.verl.sync_check)
             added.update({"trainer.dsv4flash_sync_check.prompt": eng.sync_check_prompt,
                           "trainer.dsv4flash_sync_check.tolerance": eng.sync_check_tolerance})

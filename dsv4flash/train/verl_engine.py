@@ -113,6 +113,26 @@ def task_tokenizer_for(cfg: Any, out: Path) -> Path | None:
     return target
 
 
+def with_default_hf_path(cfg: Any, log=print) -> Any:
+    """`cfg` with `model.hf_path` set to the project's trained base (the main job's, built and cached if missing)
+    when it is unset, the flavour is one the local engine trains (tiny) and `model.base` is that base; else as is."""
+    import dataclasses
+
+    from dsv4flash.config import load_config
+    from dsv4flash.engine.local import _check_local_size
+    from dsv4flash.train.base_cache import PRETRAIN_RECIPE, ensure_base
+
+    if cfg.model.hf_path or cfg.model.base != PRETRAIN_RECIPE:
+        return cfg
+    try:
+        _check_local_size(load_config(cfg.model.flavour))
+    except ValueError:  # too large for the local engine: no trained base of it here; the release checkpoint is needed
+        return cfg
+    base = ensure_base(cfg, log=log)
+    log(f"model.hf_path unset: veRL loads the trained {cfg.model.flavour} base {base}")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=str(base)))
+
+
 def run_verl(cfg: Any, output_dir: str | Path, *, log=print) -> dict[str, Any]:
     """Export data, build and validate the veRL config, write it, and launch when the cluster is there."""
     from dsv4flash.tasks import TaskMixture, build_task
@@ -122,9 +142,11 @@ def run_verl(cfg: Any, output_dir: str | Path, *, log=print) -> dict[str, Any]:
     eng = cfg.engine
     if eng.launch not in ("auto", "never", "force"):
         raise VerlConfigError(f"engine.launch must be auto, never or force, got {eng.launch!r}")
+    cfg = with_default_hf_path(cfg, log=log)
     out = Path(output_dir).resolve()
     data_dir = Path(eng.data_dir).resolve() if eng.data_dir else out / "verl_data"
     # Validate first: a config veRL rejects leaves nothing behind (no exported data, no run directory).
+    made_out = not out.exists()
     tokenizer_dir = task_tokenizer_for(cfg, out)
     try:
         config = build_verl_config(cfg, data_dir=str(data_dir), output_dir=str(out),
@@ -138,6 +160,8 @@ def run_verl(cfg: Any, output_dir: str | Path, *, log=print) -> dict[str, Any]:
             import shutil
 
             shutil.rmtree(tokenizer_dir, ignore_errors=True)
+            if made_out and not any(out.iterdir()):
+                out.rmdir()  # the run directory the tokenizer made
         raise
     tasks = {name: build_task(name, **dict(cfg.data.task_options.get(name, {}) or {})) for name in cfg.data.tasks}
     mixture = TaskMixture(tasks, dict(cfg.data.tasks), cfg.seed, cfg.data.val_size)
@@ -161,7 +185,8 @@ def run_verl(cfg: Any, output_dir: str | Path, *, log=print) -> dict[str, Any]:
         return result
     if config.actor_rollout_ref.model.path == MODEL_PATH_UNSET:
         raise VerlConfigError("launching veRL needs model.hf_path: the HF-format checkpoint veRL, Megatron-Bridge and "
-                              "vLLM load (e.g. model=flash model.hf_path=/data/DeepSeek-V4.1-Flash)")
+                              "vLLM load (e.g. model=flash model.hf_path=/data/DeepSeek-V4.1-Flash; for the tiny "
+                              "flavour it defaults to the trained base)")
     log(f"launching verl.trainer.main_ppo on {config.trainer.nnodes}×{config.trainer.n_gpus_per_node} GPUs "
         f"({gpus} visible here)")
     launch(config, out)

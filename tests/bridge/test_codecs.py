@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dsv4flash.quant_plan import QuantRole
+from dsv4flash.release.quant_plan import QuantRole
 from dsv4flash_bridge import codecs as C
 from dsv4flash_bridge import naive_codecs as N
 

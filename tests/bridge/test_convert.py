@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsv4flash.cli import main as cli_main
-from dsv4flash.quant_plan import QuantRole, StoredTensor, quant_role, scale_name
+from dsv4flash.release.quant_plan import QuantRole, StoredTensor, quant_role, scale_name
 from dsv4flash_bridge import codecs, convert, importer
 from dsv4flash_bridge.codecs import CodecError
 from dsv4flash_bridge.convert import ConvertError, export_release, import_release

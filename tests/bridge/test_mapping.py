@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dsv4flash.census import census, parse_tsv
+from dsv4flash.release.census import census, parse_tsv
 from dsv4flash.config import load_config
-from dsv4flash.quant_plan import quant_role, scale_name
+from dsv4flash.release.quant_plan import quant_role, scale_name
 from dsv4flash_bridge import mapping
 from dsv4flash_bridge.mapping import MappingError, Rule
 

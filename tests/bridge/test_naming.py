@@ -12,7 +12,7 @@ import torch
 
 from dsv4flash.cli import main as cli_main
 from dsv4flash.config import load_config
-from dsv4flash.quant_plan import quant_role, scale_name
+from dsv4flash.release.quant_plan import quant_role, scale_name
 from dsv4flash_bridge import codecs, mapping
 from dsv4flash_bridge.convert import QUANTIZED, ConvertError, export_release, import_release
 from dsv4flash_bridge.renamed import ReleaseView, output_tensors, vision_heads
@@ -177,7 +177,7 @@ def test_tiny_import_gives_the_logits_of_the_decoded_weights(tmp_path, naming):
 
 def test_mid_config_keeps_the_release_structure():
     """Every kind of release tensor (wildcard form) appears in the mid census, and nothing else."""
-    from dsv4flash.census import census
+    from dsv4flash.release.census import census
     from dsv4flash_bridge.mapping import _key
     from dsv4flash_bridge.synthetic import mid_config
     from tests.bridge.test_mapping import release_names

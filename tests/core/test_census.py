@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dsv4flash.census import census, checkpoint_census, diff_census, format_tsv, parse_tsv
+from dsv4flash.release.census import census, checkpoint_census, diff_census, format_tsv, parse_tsv
 from dsv4flash.model.transformer import Transformer
 
 DATA = Path(__file__).resolve().parents[1] / "data"

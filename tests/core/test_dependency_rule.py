@@ -10,8 +10,8 @@ UPSTREAM = ("megatron", "vllm", "verl", "transformers", "transformer_engine", "d
 
 def test_core_imports_no_upstream_framework():
     code = (
-        "import sys, dsv4flash, dsv4flash.config, dsv4flash.census, dsv4flash.model.transformer, "
-        "dsv4flash.quant_plan\n"
+        "import sys, dsv4flash, dsv4flash.config, dsv4flash.release.census, dsv4flash.model.transformer, "
+        "dsv4flash.release.quant_plan\n"
         "from dsv4flash.model.transformer import Transformer\n"
         "Transformer('tiny')\n"
         f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {UPSTREAM!r} or m.startswith({UPSTREAM!r}))\n"

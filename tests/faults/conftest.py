@@ -1,5 +1,5 @@
-"""One fault context per session: the shared tiny checkpoints and resident base are built once; a throwaway
-PostgreSQL server is started only when a case needs it."""
+"""One fault context per session: the shared tiny checkpoints and resident base are built once; the suite's
+throwaway PostgreSQL server (`pg_server`, tests/conftest.py) is started only when a case needs it."""
 
 from __future__ import annotations
 
@@ -12,18 +12,6 @@ def fault_context(tmp_path_factory):
     from dsv4flash.faultcases.context import FaultContext
 
     return FaultContext(tmp_path_factory.mktemp("faults"))
-
-
-@pytest.fixture(scope="session")
-def postgres_server():
-    """DSN of a throwaway PostgreSQL server for the cases that need one."""
-    from dsv4flash.lifecycle.catalog.pg_local import postgres_bin, throwaway_server
-
-    if postgres_bin() is None:
-        pytest.skip("PostgreSQL server not installed (run ci/install_postgres.sh)")
-    import psycopg  # noqa: F401  (a test dependency: ci/install.sh test)
-    with throwaway_server() as dsn:
-        yield dsn
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ CASES = all_cases()
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_fault_case(case, fault_context, request):
     if "postgres" in case.needs:
-        fault_context.postgres_server = request.getfixturevalue("postgres_server")
+        fault_context.postgres_server = request.getfixturevalue("pg_server")
     result = run_case(case, fault_context)
     assert result.outcome == case.expect, f"{case.name}: {result.outcome}: {result.detail}"
     if case.match is not None:

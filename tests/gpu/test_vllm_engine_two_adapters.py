@@ -55,7 +55,7 @@ def _generate(served, requests):
 
 
 def test_engine_accepts_lora_for_v41(engine):
-    """`--enable-lora` is accepted for the V4.1 architecture (stock 0.33 rejects it, P17)."""
+    """`--enable-lora` is accepted for the V4.1 architecture (stock 0.33 rejects it, docs/upstream.md §3.1)."""
     llm, _ = engine
     assert llm.llm_engine.vllm_config.lora_config is not None
 

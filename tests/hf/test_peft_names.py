@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors import safe_open
 
-from dsv4flash.census import census
+from dsv4flash.release.census import census
 from dsv4flash.config import load_config
 from dsv4flash.hf import DeepseekV41Config, DeepseekV41ForCausalLM
 

@@ -94,3 +94,36 @@ def test_placeholder_and_image_counts_must_agree(base):
         proc(text="q : how many shapes ? <image>")
     with pytest.raises(ValueError, match="videos are not supported"):
         proc(text="q", videos=[ex.images[0]])
+
+
+def test_processor_output_drives_forward_and_generate_like_the_reference_path(base, tiny_cfg):
+    """The standard call, `model.generate(**processor(text=..., images=...))`: the same logits as the reference
+    model on `prepare_vl_inputs`, and the same greedy and sampled tokens as `generate(images=...)` on them
+    (tests/hf/test_generate.py checks that form against hand-rolled loops over the reference model)."""
+    from transformers import AutoModelForCausalLM, AutoProcessor
+
+    from dsv4flash.engine.model_io import load_base_weights
+    from dsv4flash.model.transformer import Transformer
+
+    proc = AutoProcessor.from_pretrained(str(base))
+    model = AutoModelForCausalLM.from_pretrained(str(base)).eval()
+    ref = Transformer(tiny_cfg, seed=None)
+    load_base_weights(ref, base)
+    ex = _examples(1)[0]
+    inputs = proc(text=proc.apply_chat_template(_messages(ex), tokenize=False, add_generation_prompt=True),
+                  images=list(ex.images), return_tensors="pt")
+    ids, types, images = _reference(ex, tiny_cfg)
+    own = {"input_ids": ids[None], "token_types": types[None], "images": images}
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, ref.eval()(ids[None], types[None], images))
+    greedy = model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    assert torch.equal(greedy, model.generate(**own, max_new_tokens=6, do_sample=False))
+    sampling = dict(max_new_tokens=6, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    torch.manual_seed(7)
+    sampled = model.generate(**inputs, **sampling)
+    torch.manual_seed(7)
+    assert torch.equal(sampled, model.generate(**own, **sampling))
+    with pytest.raises(ValueError, match="pixel_values and image_grid_hw come together"):
+        model(inputs["input_ids"], token_types=inputs["token_types"], pixel_values=inputs["pixel_values"])
+    with pytest.raises(ValueError, match="not both"):
+        model(**inputs, images=images)

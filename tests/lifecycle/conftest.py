@@ -1,9 +1,5 @@
-"""Fixtures of the lifecycle tests: fingerprints, stores, both catalog backends, a throwaway PostgreSQL.
-
-The PostgreSQL server is real (Debian's package, `ci/install_postgres.sh`): initdb in a temp dir, run
-as a non-root user (the machine runs as root and postgres refuses root), listening only on a unix
-socket, stopped at the end of the session. Tests that need it skip only when no server is installed.
-"""
+"""Fixtures of the lifecycle tests: fingerprints, stores, both catalog backends, a database per test on the
+suite's one throwaway PostgreSQL server (`pg_server`, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -17,25 +13,6 @@ import pytest
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
-
-
-@pytest.fixture(scope="session")
-def pg_server():
-    """DSN (libpq keywords) of a throwaway PostgreSQL server for this test session."""
-    from dsv4flash.lifecycle.catalog.pg_local import postgres_bin, throwaway_server
-
-    if postgres_bin() is None:
-        pytest.skip("PostgreSQL server not installed (run ci/install_postgres.sh)")
-    import psycopg  # noqa: F401  (a test dependency: ci/install.sh test)
-    try:
-        server = throwaway_server()
-        dsn = server.__enter__()
-    except RuntimeError as exc:
-        pytest.fail(str(exc))
-    try:
-        yield dsn
-    finally:
-        server.__exit__(None, None, None)
 
 
 @pytest.fixture()
@@ -57,6 +34,32 @@ def catalog_url(request, tmp_path):
     if request.param == "sqlite":
         return str(tmp_path / "catalog.sqlite")
     return request.getfixturevalue("pg_dsn")
+
+
+@pytest.fixture(params=["dir", "s3"])
+def store_root(request, tmp_path):
+    """Where a test's store lives, on each blob backend: a directory, or a prefix of a fresh bucket."""
+    if request.param == "dir":
+        return tmp_path / "store"
+    return request.getfixturevalue("s3_url")
+
+
+def _overwrite_blob(store, key: str, data: bytes) -> None:
+    from dsv4flash.lifecycle.default_store import is_remote_store
+
+    if is_remote_store(store.root):
+        store.blobs.s3.put_object(Bucket=store.blobs.bucket, Key=store.blobs.object_key(key), Body=data)
+        return
+    path = store.blobs.path(key)
+    os.chmod(path, 0o644)
+    path.write_bytes(data)
+
+
+@pytest.fixture()
+def overwrite_blob():
+    """`overwrite_blob(store, key, data)`: replace a stored blob's bytes behind the store's back (a corruption on
+    disk or in the bucket; the one place a test reaches past the backend interface)."""
+    return _overwrite_blob
 
 
 @pytest.fixture()

@@ -13,7 +13,7 @@ from dsv4flash.bench import BENCHMARKS
 @pytest.mark.slow  # fsync'd files and the release census: ~20 s quiet, a minute on a busy machine
 def test_handoff_bench_quick(tmp_path, one_thread):
     from dsv4flash.bench import handoff
-    from dsv4flash.census import census
+    from dsv4flash.release.census import census
 
     assert "handoff" in BENCHMARKS
     parser = argparse.ArgumentParser()

@@ -71,15 +71,17 @@ def test_round_trip_between_any_two_formats_is_bit_exact(tmp_path, cfg):
         assert _bit_equal(_loaded(other, b), canonical), (a, b)
 
 
-def test_export_user_errors_exit_2_naming_the_problem(tmp_path, capsys):
+def test_export_user_errors_exit_2_naming_the_problem(tmp_path, capsys, empty_default_store):
+    from dsv4flash.lifecycle.default_store import default_store
+
     out, _ = _training_output(tmp_path, LoraConfig(preset="decoder_half", rank=2, expert_lora="shared_outer"))
 
     def run(*argv):
         code = main(["lifecycle", "export", *argv])
         return code, capsys.readouterr().err
 
-    code, err = run(str(tmp_path / "nowhere"), str(tmp_path / "x"))
-    assert code == 2 and "is not a directory; to export a store revision pass --root" in err
+    code, err = run(str(tmp_path / "nowhere"), str(tmp_path / "x"))  # no store at the default root either
+    assert code == 2 and f"{tmp_path / 'nowhere'} is not a directory, and there is no store at " in err
     (tmp_path / "empty").mkdir()
     code, err = run(str(tmp_path / "empty"), str(tmp_path / "x"))
     assert code == 2 and "neither an adapter directory (adapter_config.json) nor a training output" in err
@@ -89,8 +91,8 @@ def test_export_user_errors_exit_2_naming_the_problem(tmp_path, capsys):
     code, err = run(str(out), str(tmp_path / "v3"), "--format", "vllm_3d")  # packs experts [E, r, in] only
     assert code == 2 and "shares factors across experts (expert_lora='shared_outer')" in err
     assert not (tmp_path / "v3").exists()
-    code, err = main(["lifecycle", "policies"]), capsys.readouterr().err
-    assert code == 2 and "--root is required" in err
+    code, err = main(["lifecycle", "policies"]), capsys.readouterr().err  # the default store does not exist yet
+    assert code == 2 and "no adapter store here" in err and str(default_store()) in err
 
 
 def test_export_checks_the_directory_against_its_placement(tmp_path, capsys):
@@ -104,3 +106,49 @@ def test_export_checks_the_directory_against_its_placement(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "missing ['layers.9.attn.wo_a.lora_A.weight', 'layers.9.attn.wo_a.lora_B.weight']" in err
     assert "the placement adapts layers.9.attn.wo_a" in err and not (tmp_path / "v").exists()
+
+
+def test_cli_imports_training_outputs_and_adapter_directories_into_a_store(empty_default_store, tmp_path, capsys):
+    """`dsv4flash lifecycle import DIR`: a training output and an adapter directory of another layout become
+    bit-exact revisions tagged latest, carrying the placement the server rebuilds; without --root into the default
+    store (created), with --root only into an existing one; a bad directory exits 2 naming the file."""
+    import shutil
+
+    from dsv4flash.lifecycle import AdapterStore
+    from dsv4flash.lifecycle.default_store import default_store
+
+    out, canonical = _training_output(tmp_path, LoraConfig(preset="decoder_half", rank=4))
+    placement = json.loads((out / "adapter" / "dsv4flash_adapter.json").read_text())["lora_config"]
+    assert main(["lifecycle", "export", str(out), str(tmp_path / "meg"), "--format", "megatron"]) == 0
+    assert main(["lifecycle", "import", str(out)]) == 0  # the default store, created by the import
+    assert main(["lifecycle", "import", str(tmp_path / "meg"), "--policy", "meg-layout"]) == 0
+    printed = capsys.readouterr().out
+    assert f"run:latest = " in printed and f"store {default_store()}" in printed
+    with AdapterStore.open(default_store()) as store:
+        for policy in ("run", "meg-layout"):
+            rev = store.resolve(f"{policy}:latest")
+            assert rev.parent is None and store.policy(policy).head == rev.id
+            assert _bit_equal(store.load_adapter(rev.id).to_packed_tensors(), canonical), policy
+            assert store.load(rev.id).manifest.extra["placement"] == placement
+
+    def fails(*argv):
+        code = main(["lifecycle", *argv])
+        return code, capsys.readouterr().err
+
+    code, err = fails("--root", str(tmp_path / "typo"), "import", str(out))
+    assert code == 2 and "no adapter store here" in err and not (tmp_path / "typo").exists()
+    code, err = fails("import", str(tmp_path / "nowhere"))
+    assert code == 2 and f"{tmp_path / 'nowhere'}: not a directory" in err
+    (tmp_path / "empty").mkdir()
+    code, err = fails("import", str(tmp_path / "empty"))
+    assert code == 2 and "neither an adapter directory (adapter_config.json) nor a training output" in err
+    stock = shutil.copytree(out / "adapter", tmp_path / "stock")
+    (stock / "dsv4flash_adapter.json").unlink()  # what PEFT alone writes: no placement
+    code, err = fails("import", str(stock))
+    assert code == 2 and f"{stock / 'dsv4flash_adapter.json'}: missing or without a lora_config" in err
+    broken = shutil.copytree(out / "adapter", tmp_path / "broken")
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    code, err = fails("import", str(broken))
+    assert code == 2 and f"{broken / 'adapter_model.safetensors'}: unreadable safetensors file" in err
+    with AdapterStore.open(default_store()) as store:
+        assert sorted(store.catalog.list_policies()) == ["meg-layout", "run"]  # nothing half-imported

@@ -33,7 +33,7 @@ def test_every_ingredient_changes_the_digest(change):
     elif change == "name":
         rows[2] = ("embed_tokens.weight", *rows[2][1:])
     elif change == "quant":
-        from dsv4flash.quant_plan import quant_role
+        from dsv4flash.release.quant_plan import quant_role
 
         roles = {r[0]: quant_role(r[0]).value for r in rows}
         roles["embed.weight"] = "dense_fp8"  # a different quantization plan over the same census

@@ -55,7 +55,7 @@ def test_v41_tensor_fanout_without_allocating():
             experts[(layer, proj)] = (meta(e, r, d_in), meta(e, d_out, r))
     ad = PackedMoELoRA(rank=r, alpha=2.0, num_experts=e, experts=experts)
     assert ad.tensors_per_expert_layout() == 92_160 and ad.tensors_packed_layout() == 240
-    assert ad.nbytes() == 342_097_920 * 2  # lifecycle.md §2.4: 342.1 M params/rank ≈ 684 MB BF16
+    assert ad.nbytes() == 342_097_920 * 2  # docs/lifecycle.md: 342.1 M params per rank, 684 MB BF16
 
 
 def test_missing_expert_and_shape_errors():

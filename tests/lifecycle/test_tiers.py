@@ -196,3 +196,30 @@ def test_device_slots_on_cuda(setup):
             lease.release()
         loaded = cache.cpu.get(revs[0])
         assert next(iter(loaded.tensors.values())).is_pinned()
+
+
+def test_bounded_queue_exact_slots_and_cpu_entry_bound(setup):
+    """A full slot queue refuses with a retry-after; exact slots hold each adapter at its own shapes, with the
+    `prepare` hook's meta; the CPU tier keeps at most `cpu_max_entries` adapters."""
+    from dsv4flash.lifecycle.errors import SlotQueueFull
+    from dsv4flash.lifecycle.slots import ExactSlots
+
+    store, adapters, revs, _ = setup
+    prepared = lambda loaded: (loaded.tensors, ("meta", loaded.id))  # noqa: E731
+    with AdapterCache(store, ExactSlots(1, device="cpu"), cpu_budget_bytes=10**7, workers=2, max_queue=1,
+                      cpu_max_entries=2, prepare=prepared) as cache:
+        held = cache.acquire(revs[0])
+        queued = cache.acquire(revs[1])
+        with pytest.raises(SlotQueueFull, match="queue holds 1") as refused:
+            cache.acquire(revs[2])
+        assert refused.value.retry_after_s >= 1.0
+        assert held.wait(10) == 0 and held.meta == ("meta", revs[0])
+        loaded = store.load(revs[0])
+        assert all(torch.equal(held.tensors()[k], t) for k, t in loaded.tensors.items())
+        held.release()
+        assert queued.wait(10) == 0 and queued.meta == ("meta", revs[1])
+        queued.release()
+        with cache.acquire(revs[2]) as third:
+            assert third.account.source == "disk"
+        assert len(cache.cpu.keys()) == 2 and revs[0] not in cache.cpu  # the oldest left the CPU tier
+        assert cache.hits["disk"] == 3 and cache.loading == 0 and cache.loading_peak >= 1

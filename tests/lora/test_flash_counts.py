@@ -22,9 +22,10 @@ def _share(handle, *groups):
 
 @pytest.mark.slow
 def test_study_parameterisation_reproduces_the_reported_adapter_sizes(flash_meta):
-    """findings.md: full-linear r16 saved adapter 1.77 B params, 1.20 B without routed down; routed experts
-    96%, attention output projection 0.9%, attention + shared experts ~3%. Those figures follow from shared-
-    outer expert LoRA and shared-A `wo_a`; the per-expert / per-group parameterisation is ~3.1× larger."""
+    """The study's reported sizes (docs/lora.md): full-linear r16 saved adapter 1.77 B params, 1.20 B without
+    routed down; routed experts 96%, attention output projection 0.9%, attention + shared experts ~3%. Those
+    figures follow from shared-outer expert LoRA and shared-A `wo_a`; the per-expert / per-group
+    parameterisation is ~3.1× larger."""
     study = dict(expert_lora="shared_outer", wo_a_lora="shared_a")
     full = plan_lora(flash_meta, LoraConfig(preset="full_linear", **study))
     assert round(full.trainable_params / 1e9, 2) == 1.77

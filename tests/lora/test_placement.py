@@ -54,8 +54,12 @@ def test_preset_ranks_alpha_and_switches():
     assert LoraConfig(preset="full_linear").freeze_kv_write is False
     vit = LoraConfig(preset="vit_lr_0p1")
     assert (vit.vit, vit.vit_lr_mult) == ("train", 0.1)
-    # Explicit fields win over the preset.
-    assert LoraConfig(preset="full_linear_r8", rank=4, alpha=4.0).scaling == 1.0
+    # Explicit fields win over the preset; a preset that fixes its rank refuses another one.
+    assert LoraConfig(preset="full_linear", rank=4, alpha=4.0).scaling == 1.0
+    assert LoraConfig(preset="full_linear_r8", rank=8).rank == 8
+    with pytest.raises(ValueError, match=r"^LoraConfig.rank: 4 conflicts with preset 'full_linear_r8', which fixes "
+                                         r"rank 8"):
+        LoraConfig(preset="full_linear_r8", rank=4)
     assert LoraConfig(preset="decoder_half", freeze_kv_write=False).freeze_kv_write is False
 
 
@@ -87,6 +91,13 @@ def test_freeze_kv_write_covers_the_ced_source_kv_writers(make_model, tiny_cfg):
     assert set(frozen.modules) == lm_linear_modules(tiny_cfg) - set(kv_write_modules(model))
     # Other layers' compressors and the CED source's query side keep their adapters.
     assert {"layers.2.attn.compressor.wkv", f"layers.{ds}.attn.wq_a", f"layers.{ds}.attn.wo_a"} <= set(frozen.modules)
+
+
+def test_train_head_adds_the_output_head_to_any_placement(make_model, tiny_cfg):
+    handle = apply_lora(make_model(), LoraConfig(preset="decoder_half", train_head=True))
+    assert "head" in handle.modules and not any(m.startswith("layers.0.") for m in handle.modules)
+    with pytest.raises(ValueError, match="LoraConfig.train_head must be a bool"):
+        LoraConfig(train_head="yes")
 
 
 def test_explicit_rules_glob_regex_layers_and_router_opt_in(make_model):

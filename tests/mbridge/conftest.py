@@ -19,15 +19,15 @@ def mbridge():
     from tests.mbridge import shim
 
     shim.install()
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
     from dsv4flash.integrations import mbridge
 
-    active_before = {t.meta.patch_id for t in _patching.REGISTRY.all() if t.applied}
+    active_before = {t.meta.patch_id for t in twins.REGISTRY.all() if t.applied}
     mbridge.register()
     yield mbridge
     # Every twin the registration applied, the megatron-core twins its Depends-On pulled in too (DSV41-MBRIDGE-005
     # applies DSV41-MCORE-012 and, through it, 004/003/001).
-    for twin in reversed(_patching.REGISTRY.all()):
+    for twin in reversed(twins.REGISTRY.all()):
         if twin.applied and twin.meta.patch_id not in active_before:
             twin.revert()
 

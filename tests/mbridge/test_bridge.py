@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dsv4flash.config import load_config
-from dsv4flash.quant_plan import QuantRole, quant_role, scale_name
+from dsv4flash.release.quant_plan import QuantRole, quant_role, scale_name
 from dsv4flash_bridge import codecs, mapping
 from dsv4flash_bridge.sharded import CheckpointReader
 from dsv4flash_bridge.synthetic import write_release_checkpoint

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsv4flash.quant_plan import scale_name
+from dsv4flash.release.quant_plan import scale_name
 from dsv4flash_bridge.sharded import CheckpointReader
 from dsv4flash_bridge.synthetic import write_release_checkpoint
 

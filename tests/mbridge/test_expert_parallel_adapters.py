@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-pytestmark = [pytest.mark.upstream]
+pytestmark = [pytest.mark.upstream, pytest.mark.whole_machine]
 TARGETS = ["*.layers.2.mlp.experts.*linear_fc1", "*.layers.2.mlp.experts.*linear_fc2", "*.layers.2.self_attention.linear_q_up"]
 
 

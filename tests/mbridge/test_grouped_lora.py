@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4flash.quant_plan import QuantRole
+from dsv4flash.release.quant_plan import QuantRole
 from dsv4flash_bridge import codecs
 from dsv4flash_bridge.sharded import CheckpointReader
 from dsv4flash_bridge.synthetic import write_release_checkpoint

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsv4flash.census import census
+from dsv4flash.release.census import census
 from dsv4flash.config import load_config
 from dsv4flash_bridge import mapping
 from dsv4flash_bridge.renamed import pieces

@@ -11,7 +11,7 @@ import torch
 
 from dsv4flash_bridge.synthetic import write_release_checkpoint
 
-pytestmark = [pytest.mark.upstream]
+pytestmark = [pytest.mark.upstream, pytest.mark.whole_machine]
 
 
 def _rank(rank: int, world_size: int, release: str, out: str) -> None:

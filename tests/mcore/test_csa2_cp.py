@@ -22,7 +22,7 @@ from tests.mcore.float64 import precision_scope
 from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
-pytestmark = [pytest.mark.upstream, pytest.mark.parity]
+pytestmark = [pytest.mark.upstream, pytest.mark.parity, pytest.mark.whole_machine]
 
 SEQ = 36
 # Per precision: (logits atol, gradient tolerance relative to each tensor's max |g|).
@@ -41,8 +41,6 @@ def _cp_checks(rank, world_size, layout_name, recompute, precision, expected_pat
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from dsv4flash.integrations.mcore.csa2.layout import CPSpans
-
     torch.set_num_threads(1)  # two ranks on a 2-core machine
     expected = torch.load(expected_path)
     ids, weights, logits, grads = expected["ids"], expected["weights"], expected["logits"], expected["grads"]
@@ -51,7 +49,7 @@ def _cp_checks(rank, world_size, layout_name, recompute, precision, expected_pat
     try:
         model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
         model = sup.megatron_from(ref, recompute=recompute, overrides={"cp_layout": layout_name})
-        positions = CPSpans.build(layout_name, world_size, rank, SEQ // world_size).positions()
+        positions = model.decoder.cp_positions(SEQ // world_size)
         out = model(ids[:, positions])
         logits_atol, grad_rel = TOLERANCE[precision]
         torch.testing.assert_close(out, logits[:, positions], rtol=0, atol=logits_atol)
@@ -65,7 +63,8 @@ def _cp_checks(rank, world_size, layout_name, recompute, precision, expected_pat
 
         # Every global compression group has exactly one owner.
         tokens = model.decoder.build_tokens(torch.zeros(SEQ // world_size, 1, 1))
-        for ratio, table in tokens.layout.groups.items():
+        for ratio in sorted({p.ratio for p in ref.cfg.backbone_plan if p.ratio}):
+            table = tokens.layout.groups(ratio)
             owned = torch.zeros(table.num_entries, dtype=torch.long)
             owned[table.owner_entry[0][table.owner_valid[0]]] = 1
             dist.all_reduce(owned)
@@ -99,13 +98,21 @@ def _spawn_against_reference(layout_name, recompute, precision, tmp_path):
 
 
 def test_zigzag_spans_and_halo_sources():
-    from dsv4flash.integrations.mcore.csa2.context_parallel import CPSpans, HaloPlan
+    from dsv4flash.integrations.mcore import require_stack_modules
 
-    spans = [CPSpans.build("zigzag", 2, r, 18) for r in range(2)]
-    assert spans[0].positions().tolist() == list(range(9)) + list(range(27, 36))
-    assert spans[1].positions().tolist() == list(range(9, 27))
+    require_stack_modules()  # the stack's upstream-form modules (twins on a stock release)
+    from megatron.core.transformer.experimental_attention_variant.csa2_context_parallel import (
+        _halo_plan,
+        cp_spans,
+        span_positions,
+    )
+
+    spans = cp_spans(2, [0, 36], "zigzag")
+    assert span_positions(spans[0]).tolist() == list(range(9)) + list(range(27, 36))
+    assert span_positions(spans[1]).tolist() == list(range(9, 27))
     # Halo of 3: rank 0's span at 27 reads 24..26 (rank 1); rank 1's span at 9 reads 6..8 (rank 0).
-    assert HaloPlan.build(spans[0], 3).ext_positions.tolist() == list(range(9)) + list(range(24, 36))
-    assert HaloPlan.build(spans[1], 3).ext_positions.tolist() == list(range(6, 27))
-    with pytest.raises(ValueError, match="even local length"):
-        CPSpans.build("zigzag", 2, 0, 17)
+    rows = torch.zeros(36, dtype=torch.long)
+    assert _halo_plan(spans, 0, 3, rows).ext_positions.tolist() == list(range(9)) + list(range(24, 36))
+    assert _halo_plan(spans, 1, 3, rows).ext_positions.tolist() == list(range(6, 27))
+    with pytest.raises(ValueError, match="needs a multiple of 4"):
+        cp_spans(2, [0, 34], "zigzag")

@@ -15,7 +15,7 @@ from tests.mcore import csa2_support as sup
 from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
-pytestmark = [pytest.mark.upstream, pytest.mark.parity]
+pytestmark = [pytest.mark.upstream, pytest.mark.parity, pytest.mark.whole_machine]
 
 
 def _ep_rank(rank: int, world_size: int, expected_path: str) -> None:

@@ -22,7 +22,7 @@ from tests.mcore import csa2_support as sup
 from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
-pytestmark = [pytest.mark.upstream, pytest.mark.parity]
+pytestmark = [pytest.mark.upstream, pytest.mark.parity, pytest.mark.whole_machine]
 
 # The window-KV `linear_kv` only: the ratio > 1 compressor's `linear_kv` is an fp32 island, and megatron-core
 # 0.19's distributed optimizer hands fp32 parameters to HybridDeviceOptimizer as non-leaf views of the

@@ -88,22 +88,25 @@ def test_right_padded_rows_equal_their_unpadded_runs(mcore):
 
 
 def test_group_table_follows_each_sequence():
-    from dsv4flash.integrations.mcore.csa2.layout import build_layout
+    from dsv4flash.integrations.mcore import require_stack_modules
+
+    require_stack_modules()  # the stack's upstream-form modules (twins on a stock release)
+    from megatron.core.transformer.experimental_attention_variant.csa2_context_parallel import build_csa2_layout
 
     _, _, params, starts = sup.pack([torch.zeros(n, dtype=torch.long) for n in (5, 4)], (1, 2),
                                 [torch.zeros(8, dtype=torch.long)] * 2)
-    layout = build_layout(1, 12, (1, 2), packed_seq_params=params)
+    layout = build_csa2_layout(1, 12, "cpu", 0, packed_seq_params=params)
     assert layout.seq.tolist() == [[0, 0, 0, 0, 0, -1, 1, 1, 1, 1, -1, -1]]
     assert layout.pos[0, :10].tolist() == [0, 1, 2, 3, 4, 0, 0, 1, 2, 3]
-    two = layout.groups[2]  # groups of 2: seq 0 -> (0,1) (2,3); seq 1 -> (6,7) (8,9); token 4 stays alone
+    two = layout.groups(2)  # groups of 2: seq 0 -> (0,1) (2,3); seq 1 -> (6,7) (8,9); token 4 stays alone
     assert two.num_entries == 4
-    assert two.owner_slot[0].tolist() == [1, 3, 7, 9] and two.owner_group[0].tolist() == [0, 1, 0, 1]
+    assert two.members[0, :, -1].tolist() == [1, 3, 7, 9] and two.owner_start[0].tolist() == [0, 2, 0, 2]
     assert two.q_base[0].tolist() == [0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0]
     assert two.q_reach[0].tolist() == [0, 1, 1, 2, 2, 0, 0, 1, 1, 2, 0, 0]
     visible = two.visible()[0]
     assert visible[9].tolist() == [False, False, True, True]  # never another sequence's groups
-    one = layout.groups[1]
-    assert one.num_entries == 9 and one.owner_slot[0].tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+    one = layout.groups(1)
+    assert one.num_entries == 9 and one.members[0, :, -1].tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9]
 
 
 @pytest.mark.parametrize("mask, message", [
@@ -111,7 +114,10 @@ def test_group_table_follows_each_sequence():
     ([[False, True, False, False]], "suffix"),  # interior padding
 ])
 def test_non_suffix_padding_is_rejected(mask, message):
-    from dsv4flash.integrations.mcore.csa2.layout import build_layout
+    from dsv4flash.integrations.mcore import require_stack_modules
+
+    require_stack_modules()  # the stack's upstream-form modules (twins on a stock release)
+    from megatron.core.transformer.experimental_attention_variant.csa2_context_parallel import build_csa2_layout
 
     with pytest.raises(ValueError, match=message):
-        build_layout(1, 4, (2,), padding_mask=torch.tensor(mask))
+        build_csa2_layout(1, 4, "cpu", 0, padding_mask=torch.tensor(mask))

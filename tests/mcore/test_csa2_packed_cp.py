@@ -27,7 +27,7 @@ from tests.mcore.float64 import precision_scope
 from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
-pytestmark = [pytest.mark.upstream, pytest.mark.parity]
+pytestmark = [pytest.mark.upstream, pytest.mark.parity, pytest.mark.whole_machine]
 
 LENGTHS = (23, 33, 1, 12)  # odd lengths leave partial ratio-2 groups; 1 token is a document shorter than a chunk
 PADS = (1, 3, 3, 4)  # slots 24, 36, 4, 16: each a multiple of 2·cp = 4 (per-document zigzag)
@@ -56,8 +56,7 @@ def _packed_cp_checks(rank, world_size, layout_name, recompute, precision, expec
     try:
         model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
         model = sup.megatron_from(ref, recompute=recompute, overrides={"cp_layout": layout_name})
-        cp = model.decoder.cp_spans(ids.shape[1] // world_size, params)
-        local = cp.positions()
+        local = model.decoder.cp_positions(ids.shape[1] // world_size, params)
         emb = model.embedding(ids[:, local], pos[:, local])  # [S_local, 1, D]
         emb.retain_grad()
         loss = model(ids[:, local], pos[:, local], decoder_input=emb, labels=labels[:, local],
@@ -80,15 +79,16 @@ def _packed_cp_checks(rank, world_size, layout_name, recompute, precision, expec
             assert err <= grad_rel * scale + 1e-30, f"rank {rank} {precision} {name}: |Δgrad| {err:.3g} vs {scale:.3g}"
 
         layout = model.decoder.build_tokens(emb.detach(), packed_seq_params=params).layout
-        received = torch.tensor([layout.halo.halo_tokens])
+        received = torch.tensor([layout.halo_tokens])
         dist.all_reduce(received)
         assert int(received) > 0, "no token crossed ranks: the packing did not exercise the halo"
-        for ratio, table in layout.groups.items():
+        for ratio in sorted({p.ratio for p in ref.cfg.backbone_plan if p.ratio}):
+            table = layout.groups(ratio)
             owned = torch.zeros(table.num_entries, dtype=torch.long)
             owned[table.owner_entry[0][table.owner_valid[0]]] = 1
             dist.all_reduce(owned)
             assert owned.tolist() == [1] * sum(n // ratio for n in LENGTHS), f"ratio {ratio}: owners {owned.tolist()}"
-            members = layout.ext_seq[0][table.members()[0][table.owner_valid[0]]]  # [N, ratio]
+            members = layout.ext_seq[0][table.members[0][table.owner_valid[0]]]  # [N, ratio]
             assert bool((members >= 0).all()), f"ratio {ratio}: a padding slot entered a compression group"
             assert bool((members == members[:, :1]).all()), f"ratio {ratio}: a group mixes two sequences"
     finally:
@@ -143,18 +143,25 @@ def packed_params():
 
 def test_per_document_zigzag_split_and_multi_rank_halo():
     """Per-document zigzag (TE's thd_get_partitioned_indices order) and halos longer than a chunk."""
-    from dsv4flash.integrations.mcore.csa2.context_parallel import CPSpans, HaloPlan
+    from dsv4flash.integrations.mcore import require_stack_modules
+
+    require_stack_modules()  # the stack's upstream-form modules (twins on a stock release)
+    from megatron.core.transformer.experimental_attention_variant.csa2_context_parallel import (
+        _halo_plan,
+        cp_spans,
+        span_positions,
+    )
 
     bounds = [0, 8, 12]  # documents of 8 and 4 slots: chunks of 2 and 1 tokens
-    spans = [CPSpans.build_packed("zigzag", 2, r, 6, bounds) for r in range(2)]
-    assert spans[0].positions().tolist() == [0, 1, 6, 7, 8, 11]
-    assert spans[1].positions().tolist() == [2, 3, 4, 5, 9, 10]
+    spans = cp_spans(2, bounds, "zigzag")
+    assert span_positions(spans[0]).tolist() == [0, 1, 6, 7, 8, 11]
+    assert span_positions(spans[1]).tolist() == [2, 3, 4, 5, 9, 10]
     slot_seq = torch.tensor([0] * 8 + [1] * 4)
-    plan = HaloPlan.build(spans[0], width=3, slot_seq=slot_seq)
+    plan = _halo_plan(spans, 0, 3, slot_seq)
     # Rank 0's span at 6 needs 3, 4, 5 (rank 1); its span at 11 needs 9, 10 (rank 1), never document 0's slots.
     assert plan.ext_positions.tolist() == [0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 11]
-    assert plan.halo_tokens == 5
-    with pytest.raises(ValueError, match="document 1 has 2 slots"):
-        CPSpans.build_packed("zigzag", 2, 0, 5, [0, 8, 10])
-    with pytest.raises(ValueError, match="slots end at 10"):
-        CPSpans.build_packed("contiguous", 2, 0, 6, [0, 10])
+    assert plan.ext_index.numel() - plan.local_slots.numel() == 5
+    with pytest.raises(ValueError, match="sequence 1 has 2 slots"):
+        cp_spans(2, [0, 8, 10], "zigzag")
+    with pytest.raises(ValueError, match="do not split into 2 equal"):
+        cp_spans(2, [0, 9], "contiguous")

@@ -26,7 +26,7 @@ from tests.mcore import csa2_support as sup
 from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import models, parallel
 
-pytestmark = [pytest.mark.upstream, pytest.mark.parity]
+pytestmark = [pytest.mark.upstream, pytest.mark.parity, pytest.mark.whole_machine]
 
 SEQ, MICROBATCHES = 24, 4
 TARGETS = ["linear_q_down", "linear_kv", "linear_proj", "linear_o_group_proj"]  # linear_kv: window KV and compressor
@@ -171,9 +171,11 @@ def test_pipeline_stages_equal_one_stage_with_early_stop(world_size, recompute, 
 
 def test_payload_round_trip_keeps_every_part():
     """Encode/decode is exact and differentiable in the float parts, detached in the discrete ones."""
-    from dsv4flash.integrations.mcore.csa2.carry import CSA2Context
-    from dsv4flash.integrations.mcore.csa2.pipeline_payload import decode, encode
+    from dsv4flash.integrations.mcore import require_stack_modules
     from dsv4flash.model.state import CSA2State
+
+    require_stack_modules()
+    from megatron.core.transformer.hyper_connection import decode_stage_payload, encode_stage_payload
 
     gen = torch.Generator().manual_seed(0)
     streams = torch.randn(6, 1, 8, generator=gen).to(torch.bfloat16).requires_grad_(True)
@@ -181,16 +183,17 @@ def test_payload_round_trip_keeps_every_part():
     kv = torch.randn(1, 3, 32, generator=gen, requires_grad=True)
     topk = torch.tensor([[[0, 2, -1]] * 6])
     state = CSA2State(compress_kv=kv, topk=topk, ratio=2, kv_layer=14, topk_layer=14)
-    payload = encode(streams, CSA2Context(pre_mix=pre_mix, state=state, tokens=None))
+    payload = encode_stage_payload((streams, pre_mix, *state.tensors()), state.meta())  # as the block sends it
     assert payload.dtype == torch.float32 and payload.shape[1:] == (1, 1)
     received = payload.detach().requires_grad_(True)
-    got_streams, ctx = decode(received, tokens=None)
+    (got_streams, got_pre, *parts), meta = decode_stage_payload(received, detach=(3,))
+    got = CSA2State.from_parts(tuple(parts), meta)
     assert got_streams.dtype == torch.bfloat16 and torch.equal(got_streams, streams)
-    assert torch.equal(ctx.pre_mix, pre_mix) and torch.equal(ctx.state.compress_kv, kv)
-    assert torch.equal(ctx.state.topk, topk) and ctx.state.index_k is None and ctx.state.candidates is None
-    assert ctx.state.meta() == state.meta()
-    (ctx.state.compress_kv.sum() + ctx.pre_mix.sum()).backward()
+    assert torch.equal(got_pre, pre_mix) and torch.equal(got.compress_kv, kv)
+    assert torch.equal(got.topk, topk) and got.index_k is None and got.candidates is None
+    assert got.meta() == state.meta()
+    (got.compress_kv.sum() + got_pre.sum()).backward()
     payload.backward(received.grad)
     assert torch.equal(kv.grad, torch.ones_like(kv)) and torch.equal(pre_mix.grad, torch.ones_like(pre_mix))
     with pytest.raises(ValueError, match="header"):
-        decode(torch.zeros(3, 1, 1), tokens=None)
+        decode_stage_payload(payload[:4])

@@ -19,7 +19,7 @@ from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore.test_csa2_packed_cp import packed_params, save_packed_oracle
 from tests.mcore_cpu import parallel
 
-pytestmark = [pytest.mark.upstream, pytest.mark.parity]
+pytestmark = [pytest.mark.upstream, pytest.mark.parity, pytest.mark.whole_machine]
 
 
 
@@ -41,7 +41,7 @@ def _pp_cp_rank(rank: int, world_size: int, recompute: str, expected_path: str) 
             pipeline_dtype=torch.float32, variable_seq_lengths=True)).provide()
         load_reference_state(model, ref.state_dict())
         model.train()
-        local = model.decoder.cp_spans(ids.shape[1] // 2, params).positions()
+        local = model.decoder.cp_positions(ids.shape[1] // 2, params)
         seen = []
 
         def forward_step(data_iterator, chunk):

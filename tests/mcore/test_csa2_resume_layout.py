@@ -28,7 +28,7 @@ from tests.mcore import csa2_support as sup
 from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
-pytestmark = [pytest.mark.upstream, pytest.mark.parity]
+pytestmark = [pytest.mark.upstream, pytest.mark.parity, pytest.mark.whole_machine]
 
 SEQ, MICROBATCHES, STEPS = 16, 2, 2
 TARGETS = ["linear_q_down", "linear_kv", "linear_proj", "linear_o_group_proj"]
@@ -160,7 +160,7 @@ RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable"}
 def _cp_forward_step(data_iterator, model):
     """This CP rank's zigzag share of the micro-batch; the loss is its share of the global token mean."""
     batch = next(data_iterator)
-    local = model.module.decoder.cp_spans(SEQ // 2).positions()
+    local = model.module.decoder.cp_positions(SEQ // 2)
     output = model(batch["tokens"][:, local], labels=batch["labels"][:, local])
 
     def loss_func(per_token_loss):

@@ -168,7 +168,7 @@ def test_float16_module_keeps_the_release_fp32_islands(mcore):
                 or (name.startswith("module.vision_model.") and "layernorm" in name))  # REF: fp32 ViT norms
         assert (param.dtype == torch.float32) == fp32, f"{name}: {param.dtype}"
     # Exact release values, not a bf16 round trip.
-    assert torch.equal(model.decoder.layers[2].hyper_connection.attn_fn, ref32.layers[2].hc_attn_fn)
+    assert torch.equal(model.decoder.layers[2].self_attn_hyper_connection.fn, ref32.layers[2].hc_attn_fn)
     ref = Transformer(ref32.cfg, dtype=torch.bfloat16, seed=None)
     ref.load_state_dict(ref32.state_dict())
     ids = sup.token_ids(1, 48, seed=55)

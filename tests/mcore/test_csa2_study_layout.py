@@ -21,7 +21,7 @@ from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore.test_csa2_packed_cp import TOLERANCE, packed_params, save_packed_oracle
 from tests.mcore_cpu import parallel
 
-pytestmark = [pytest.mark.upstream, pytest.mark.parity]
+pytestmark = [pytest.mark.upstream, pytest.mark.parity, pytest.mark.whole_machine]
 
 
 def _study_rank(rank: int, world_size: int, precision: str, expected_path: str) -> None:
@@ -45,7 +45,7 @@ def _study_checks(rank: int, world_size: int, precision: str, expected_path: str
         model = DSV41ModelProvider(ref.cfg, recompute="full").provide()
         load_reference_state(model, ref.state_dict(), ep_rank=ep_rank, ep_size=ep_size)
         model.train()
-        local = model.decoder.cp_spans(ids.shape[1] // 2, params).positions()
+        local = model.decoder.cp_positions(ids.shape[1] // 2, params)
         loss = model(ids[:, local], pos[:, local], labels=labels[:, local], packed_seq_params=params)  # [1, S]
         real = real_all[local]
         token_atol, _, grad_rel = TOLERANCE[precision]

@@ -19,7 +19,7 @@ from tests.mcore.test_csa2_cp import TOLERANCE
 from tests.mcore.layout_matrix import LAYOUT
 from tests.mcore_cpu import parallel
 
-pytestmark = [pytest.mark.upstream, pytest.mark.parity]
+pytestmark = [pytest.mark.upstream, pytest.mark.parity, pytest.mark.whole_machine]
 
 
 def _tp_cp_rank(rank: int, world_size: int, precision: str, expected_path: str) -> None:
@@ -32,7 +32,6 @@ def _tp_cp_checks(rank: int, world_size: int, precision: str, expected_path: str
     from megatron.core import parallel_state
 
     from dsv4flash.integrations.mcore.csa2 import DSV41ModelProvider, load_reference_state, name_map
-    from dsv4flash.integrations.mcore.csa2.layout import CPSpans
     from dsv4flash.integrations.mcore.csa2.weights import shard
 
     torch.set_num_threads(1)
@@ -45,7 +44,7 @@ def _tp_cp_checks(rank: int, world_size: int, precision: str, expected_path: str
         load_reference_state(model, ref.state_dict(), tp_rank=tp_rank, tp_size=tp)
         model.train()
         ids = expected["ids"]
-        positions = CPSpans.build("zigzag", 2, cp_rank, ids.shape[1] // 2).positions()
+        positions = model.decoder.cp_positions(ids.shape[1] // 2)
         out = model(ids[:, positions])
         logits_atol, grad_rel = TOLERANCE[precision]
         torch.testing.assert_close(out, expected["logits"][:, positions], rtol=0, atol=logits_atol)

@@ -11,7 +11,7 @@ import torch
 from tests.mcore import csa2_support as sup
 from tests.mcore_cpu import parallel
 
-pytestmark = [pytest.mark.upstream]
+pytestmark = [pytest.mark.upstream, pytest.mark.whole_machine]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,8 @@ def test_vit_and_aligner_are_megatron_modules_frozen_by_default(mcore):
 
     ref = sup.reference(seed=0)
     model = sup.megatron_from(ref)
+    for module in (model.vision_model, model.vision_projection):  # megatron-bridge's upstream-form ViT, no copy
+        assert type(module).__module__ == "megatron.bridge.models.deepseek_v41.deepseek_v41_vision"
     layer = model.vision_model.decoder.layers[0]
     assert isinstance(layer.self_attention.linear_qkv, ColumnParallelLinear)
     assert isinstance(layer.self_attention.linear_proj, RowParallelLinear)
@@ -55,8 +57,11 @@ def test_vit_and_aligner_are_megatron_modules_frozen_by_default(mcore):
     assert len(vision) == 2 + 8 * ref.cfg.vision.num_hidden_layers + 1 + 4  # patch embed, blocks, norm, aligner
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert frozen == vision  # the delimiters and the whole text model still train
+    with torch.no_grad():
+        layer.input_layernorm.weight.add_(2.0 ** -20)  # not representable in bf16
+    norm = layer.input_layernorm.weight.detach().clone()
     model.bfloat16()
-    assert layer.input_layernorm.weight.dtype == torch.float32  # the release's fp32 norms survive a cast
+    assert torch.equal(layer.input_layernorm.weight, norm)  # the release's fp32 norms survive a cast, value and dtype
     assert layer.self_attention.linear_qkv.weight.dtype == torch.bfloat16
 
 

@@ -22,6 +22,8 @@ from dsv4flash.integrations.mcore.engram import (
 from dsv4flash.model.engram import Engram, EngramHasher
 from tests.mcore_cpu import parallel as mcore_parallel
 
+pytestmark = pytest.mark.whole_machine  # multi-rank gloo runs (tests/_scheduling.py)
+
 LAYER = 1  # the second tiny Engram layer (630 rows)
 
 

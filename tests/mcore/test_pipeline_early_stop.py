@@ -16,7 +16,7 @@ import torch
 from tests.mcore_cpu import models
 from tests.mcore_cpu import parallel as mcore_parallel
 
-pytestmark = pytest.mark.upstream
+pytestmark = [pytest.mark.upstream, pytest.mark.whole_machine]
 
 SEQ, MBS, HIDDEN, VOCAB, MICROBATCHES, LAYERS_PER_STAGE = 8, 2, 32, 64, 4, 2
 TRAINABLE = ("linear_fc1", "linear_proj")  # the "adapters" of a trainable stage

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from tests.mcore_cpu import parallel
 
-pytestmark = pytest.mark.upstream
+pytestmark = [pytest.mark.upstream, pytest.mark.whole_machine]
 
 DISPATCHERS = ("alltoall", "allgather")
 

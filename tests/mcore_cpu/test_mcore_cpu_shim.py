@@ -9,7 +9,7 @@ import torch
 
 from tests.mcore_cpu import models, parallel, shim
 
-pytestmark = [pytest.mark.upstream]
+pytestmark = [pytest.mark.upstream, pytest.mark.whole_machine]
 
 
 def test_install_redirects_and_uninstall_restores():
@@ -32,6 +32,23 @@ def test_install_redirects_and_uninstall_restores():
     assert not shim.installed()
     assert torch.cuda.current_device is current_device and torch.Tensor.cuda is tensor_cuda
     assert all(getattr(torch, name) is fn for name, fn in originals.items())
+
+
+def test_device_contexts_build_on_meta_during_and_after_the_redirect():
+    """`with torch.device("meta")` keeps working while the factories are wrapped and after they are restored,
+    even when torch first builds its set of device-aware constructors inside the redirect (this leaked: a meta
+    build after the mbridge tests allocated real tensors)."""
+    from torch.utils._device import _device_constructors
+
+    _device_constructors.cache_clear()
+    with shim.cuda_redirect():
+        with torch.device("meta"):
+            inside = torch.nn.Linear(4, 4)
+        assert inside.weight.is_meta and torch.empty(2, device="meta").is_meta
+    with torch.device("meta"):
+        after = torch.nn.Linear(4, 4)
+    assert after.weight.is_meta
+    assert torch.empty in _device_constructors()  # the original, not a wrapper
 
 
 def test_offload_and_torch_adam_load_fixes_install_and_restore():

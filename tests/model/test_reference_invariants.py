@@ -1,4 +1,4 @@
-"""Invariants of the reference model that architecture.md states (tiny config, CPU)."""
+"""Invariants of the reference model that docs/architecture.md states (§14, tiny config, CPU)."""
 
 from __future__ import annotations
 

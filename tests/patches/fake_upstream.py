@@ -187,7 +187,7 @@ class FakeProject:
 
             {doc}
             """
-            from dsv4flash._patching import runtime_patch
+            from dsv4flash.patching.twins import runtime_patch
 
 
             @runtime_patch(

@@ -70,19 +70,19 @@ def v41():
     """megatron-bridge (CPU import shim) with megatron-core's CSA2 / mHC modules: the DSV41-MCORE-011 twin on a stock
     megatron-core; in the series form the patched megatron-core the harness puts on the path, where the twin's probe
     finds them. In the [runtime] form the harness applies the bridge twin."""
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
     from dsv4flash.cpu_mode.mbridge_import import install
 
     install()
-    csa2 = _patching.discover().get("DSV41-MCORE-011")
+    csa2 = twins.discover().get("DSV41-MCORE-011")
     applied_here = not csa2.applied
     outcome = csa2.apply(mode="auto")
     assert outcome.active, outcome
     if os.environ.get(FORM_ENV) == "series":  # the patched megatron-core tree is on the path, not the twin
-        assert outcome is _patching.Outcome.UPSTREAM_HAS_IT, outcome
+        assert outcome is twins.Outcome.UPSTREAM_HAS_IT, outcome
     yield
     if applied_here:
-        for twin in reversed(_patching.REGISTRY.all()):
+        for twin in reversed(twins.REGISTRY.all()):
             if twin.applied and twin.meta.distribution == "megatron-core":
                 twin.revert()
 
@@ -116,7 +116,7 @@ def _canonical_scales(directory: Path):
     no other; the synthetic writer draws scales that are not all canonical. A block whose rounded amax lands on
     the next lower scale is re-encoded once more, until the stored bytes are a fixed point.
     """
-    from dsv4flash.quant_plan import quant_role, scale_name
+    from dsv4flash.release.quant_plan import quant_role, scale_name
     from dsv4flash_bridge import codecs
 
     _QUANTIZED = _quantized_roles()
@@ -141,7 +141,7 @@ def _canonical_scales(directory: Path):
 
 
 def _quantized_roles():
-    from dsv4flash.quant_plan import QuantRole
+    from dsv4flash.release.quant_plan import QuantRole
 
     return (QuantRole.DENSE_FP8, QuantRole.EXPERT_MXFP4, QuantRole.ENGRAM_FP8)
 
@@ -178,7 +178,7 @@ def _model(auto):
 
 
 def _decoded(directory: Path) -> dict[str, torch.Tensor]:
-    from dsv4flash.quant_plan import quant_role, scale_name
+    from dsv4flash.release.quant_plan import quant_role, scale_name
     from dsv4flash_bridge import codecs, mapping
     from dsv4flash_bridge.sharded import CheckpointReader
 
@@ -198,11 +198,11 @@ def _stored(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def test_stock_release_has_no_v41_bridge():
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
     from dsv4flash.cpu_mode.mbridge_import import install
 
     install()
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     with twin.suspended():
         assert importlib.util.find_spec("megatron.bridge.models.deepseek_v41") is None
         import megatron.bridge.models as models
@@ -326,7 +326,7 @@ def test_export_is_bit_exact_to_the_release_tensors(patch_form, v41, mcore_paral
     from megatron.bridge.models.deepseek_v41 import deepseek_v41_bridge
     from megatron.bridge.models.hf_pretrained.row_chunks import TensorRowChunk
 
-    from dsv4flash.quant_plan import QuantRole, quant_role
+    from dsv4flash.release.quant_plan import QuantRole, quant_role
 
     release = checkpoint
     auto = _bridge(release)

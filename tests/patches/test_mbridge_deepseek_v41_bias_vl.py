@@ -41,7 +41,7 @@ def bias_vl_release(tmp_path_factory) -> Path:
     """Text decoder + `bias_vl` gates of the tiny config (vision tower in the config, not in the tensors)."""
     from dsv4flash_bridge.synthetic import write_release_checkpoint
 
-    from dsv4flash.census import census
+    from dsv4flash.release.census import census
     from dsv4flash.config import load_config
     from dsv4flash.integrations.mbridge import save_release
 

@@ -335,12 +335,12 @@ def _tp_rank(rank: int, world_size: int, form: str, out_dir: str) -> None:
     """One of two TP ranks: the ViT and aligner built at TP 2, loaded and exported through the bridge's mappings."""
     import types
 
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
     from dsv4flash.cpu_mode.mbridge_import import install
     from tests.mcore_cpu import parallel
 
     install()
-    registry = _patching.discover()
+    registry = twins.discover()
     if form == "runtime":
         for patch_id in ("DSV41-MCORE-011", PATCH_ID):
             assert registry.get(patch_id).apply().active, f"{patch_id}: the runtime twin did not apply in the rank"
@@ -397,6 +397,7 @@ def _tp_rank(rank: int, world_size: int, form: str, out_dir: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.whole_machine
 def test_tensor_parallel_vit_splits_heads_and_mlp(patch_form, v41, mcore_parallel, tmp_path):
     """TP 2: each rank holds half the ViT heads, half its MLP and half the aligner width; the gathered output
     equals the reference, and the export of the shards re-fuses `wqkv` / `w1` bit for bit."""

@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from dsv4flash.quant_plan import QuantRole
+from dsv4flash.release.quant_plan import QuantRole
 from dsv4flash_bridge import codecs
 
 PATCH_ID = "DSV41-MBRIDGE-002"
@@ -42,9 +42,9 @@ def dense(rows: int, cols: int, seed: int = 0):
 
 
 def test_stock_release_decodes_32_blocks_wrongly_and_silently(qu):
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     q, s, want = dense(64, 96)
     with twin.suspended():
         if twin.upstream_has_it():

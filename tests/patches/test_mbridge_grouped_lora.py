@@ -36,21 +36,21 @@ def lora_cls():
     """megatron-bridge's `LoRA` (CPU import shim), with megatron-core's CSA2 modules: the DSV41-MCORE-008 twin on a
     stock megatron-core; in the series form the patched megatron-core the harness puts on the path (the patch's
     `Depends-On: megatron-lm/DSV41-MCORE-008`), where the twin's probe finds them."""
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
     from tests.mbridge import shim
 
     shim.install()
-    csa2 = _patching.discover().get("DSV41-MCORE-008")
+    csa2 = twins.discover().get("DSV41-MCORE-008")
     applied_here = not csa2.applied
     outcome = csa2.apply(mode="auto")
     assert outcome.active, outcome
     if os.environ.get(FORM_ENV) == "series":  # the patched megatron-core tree is on the path, not the twin
-        assert outcome is _patching.Outcome.UPSTREAM_HAS_IT, outcome
+        assert outcome is twins.Outcome.UPSTREAM_HAS_IT, outcome
     from megatron.bridge.peft.lora import LoRA
 
     yield LoRA
     if applied_here:
-        for twin in reversed(_patching.REGISTRY.all()):
+        for twin in reversed(twins.REGISTRY.all()):
             if twin.applied and twin.meta.distribution == "megatron-core":
                 twin.revert()
 
@@ -86,9 +86,9 @@ def _adapted(lora_cls, seed: int = 0):
 
 
 def test_stock_release_refuses_the_grouped_projection(lora_cls):
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     with twin.suspended():
         if twin.upstream_has_it():
             pytest.skip(f"installed megatron-bridge {twin.installed_version()} already has {PATCH_ID}")

@@ -84,9 +84,9 @@ def test_twin_executes_the_patchs_own_file():
 
 
 def test_stock_release_has_no_row_reads_and_no_chunked_export(state, checkpoint, tmp_path):
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     src, tensors = checkpoint
     with twin.suspended():
         if twin.upstream_has_it():

@@ -29,7 +29,7 @@ from tests.mcore_cpu import models
 from tests.mcore_cpu import parallel as mcore_parallel
 
 PATCH_ID = "DSV41-MCORE-002"
-pytestmark = [pytest.mark.patches, pytest.mark.upstream]
+pytestmark = [pytest.mark.patches, pytest.mark.upstream, pytest.mark.whole_machine]
 
 
 def _count_gradient_traffic(rank: int) -> dict[str, int]:
@@ -69,10 +69,10 @@ def _step(model, early_stop: bool, counts: dict[str, int], backwards: list[int])
 
 
 def _pp_rank(rank: int, world_size: int, first_trainable: int, form: str, out_dir: str) -> None:
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
     from tests.mcore_cpu import parallel
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     if form == "runtime":
         assert twin.apply().active, "the runtime twin did not apply in the rank"
     else:
@@ -109,9 +109,9 @@ def test_stock_release_lacks_the_option():
 
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     with twin.suspended():
         if twin.upstream_has_it():
             pytest.skip(f"installed megatron-core {twin.installed_version()} already has {PATCH_ID}")

@@ -54,10 +54,10 @@ def _run(block, hidden):
 
 
 def test_stock_release_has_no_csa2_modules():
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
     from dsv4flash.integrations.mcore.patches.csa2_attention import MODULES
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     with twin.suspended():
         if twin.upstream_has_it():
             pytest.skip(f"installed megatron-core {twin.installed_version()} already has {PATCH_ID}")

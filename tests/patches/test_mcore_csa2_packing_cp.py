@@ -21,7 +21,7 @@ from tests.mcore_cpu import parallel as mcore_parallel_lib
 from tests.patches.test_mcore_hyper_connection import ROOT, added_files
 
 PATCH_ID = "DSV41-MCORE-009"
-pytestmark = [pytest.mark.patches, pytest.mark.upstream]
+pytestmark = [pytest.mark.patches, pytest.mark.upstream, pytest.mark.whole_machine]
 
 HIDDEN = 32
 LENGTHS, PADDED = [5, 8, 3], [6, 8, 4]  # real and slot lengths of the packed documents
@@ -57,14 +57,14 @@ def _grads(block):
 
 
 def test_without_the_patch_csa2_refuses_packed_sequences(mcore_parallel):
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    registry = _patching.discover()
+    registry = twins.discover()
     twin, base = registry.get(PATCH_ID), registry.get("DSV41-MCORE-008")
     with twin.suspended():
         if twin.upstream_has_it():
             pytest.skip(f"installed megatron-core {twin.installed_version()} already has {PATCH_ID}")
-        applied_here = base.apply(mode="auto") == _patching.Outcome.APPLIED
+        applied_here = base.apply(mode="auto") == twins.Outcome.APPLIED
         try:
             block = _block()
             with pytest.raises(NotImplementedError, match="packed"):
@@ -135,10 +135,10 @@ def _zigzag(t: torch.Tensor, rank: int, cp: int, bounds) -> torch.Tensor:
 def _cp_rank(rank: int, world_size: int, form: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
     from megatron.core import parallel_state
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     if form == "runtime":
         assert twin.apply().active, "the runtime twin did not apply in the rank"
     else:

@@ -43,9 +43,9 @@ def _padding_mask(seq: int, batch: int) -> torch.Tensor:
 @pytest.fixture
 def stock_upstream():
     """The installed megatron-core exactly as shipped (runtime twin taken out if something applied it)."""
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     if twin.upstream_has_it():
         pytest.skip(f"installed megatron-core {twin.installed_version()} already has the fix")
     with twin.suspended():
@@ -145,13 +145,13 @@ import sys, torch
 import tests  # the repository's tests/ (namespace), not the verl wheel's package
 tests.__path__ = [sys.argv[1]]
 from tests.mcore_cpu import models, parallel
-from dsv4flash import _patching
+from dsv4flash.patching import twins
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.router import TopKRouter
 
-twin = _patching.discover().get("DSV41-MCORE-001")
+twin = twins.discover().get("DSV41-MCORE-001")
 with parallel.model_parallel():
-    assert twin.apply() is _patching.Outcome.APPLIED
+    assert twin.apply() is twins.Outcome.APPLIED
     assert hasattr(TopKRouter.__dict__["_apply_expert_bias"], "_torchdynamo_orig_callable"), "not compiled"
     router = TopKRouter(models.tiny_moe_config(), pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     padding = torch.zeros(6, 2, dtype=torch.bool)

@@ -19,7 +19,7 @@ from tests.mcore.test_engram_pinned import cuda_type_names
 from tests.mcore_cpu import parallel as mcore_parallel
 
 PATCH_ID = "DSV41-MCORE-005"
-pytestmark = [pytest.mark.patches, pytest.mark.upstream]
+pytestmark = [pytest.mark.patches, pytest.mark.upstream, pytest.mark.whole_machine]
 
 ROWS, HIDDEN = 16, 8
 
@@ -45,10 +45,10 @@ def _rank(rank: int, world_size: int, distributed_optimizer: bool, form: str, ou
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
     from tests.mcore_cpu import parallel
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     if form == "runtime":
         assert twin.apply().active, "the runtime twin did not apply in the rank"
     else:
@@ -90,9 +90,9 @@ def test_stock_ddp_buckets_a_host_resident_param(mcore_parallel):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     with twin.suspended():
         if twin.upstream_has_it():
             pytest.skip(f"installed megatron-core {twin.installed_version()} already has {PATCH_ID}")

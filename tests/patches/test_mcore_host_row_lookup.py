@@ -24,9 +24,9 @@ def _table_class():
 def test_stock_release_has_no_host_table():
     import importlib
 
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     with twin.suspended():
         if twin.upstream_has_it():
             pytest.skip(f"installed megatron-core {twin.installed_version()} already has {PATCH_ID}")

@@ -57,9 +57,9 @@ def _run(block, hidden):
 
 
 def test_stock_full_recompute_cannot_carry_a_state_tuple(mcore_parallel):
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     with twin.suspended():
         if twin.upstream_has_it():
             pytest.skip(f"installed megatron-core {twin.installed_version()} already has {PATCH_ID}")
@@ -122,9 +122,9 @@ def test_hybrid_stack_carries_the_state_like_the_block(mcore_parallel, patch_for
 
 
 def test_stock_hybrid_stack_drops_the_state(mcore_parallel):
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     with twin.suspended():
         if twin.upstream_has_it():
             pytest.skip(f"installed megatron-core {twin.installed_version()} already has {PATCH_ID}")

@@ -40,9 +40,9 @@ def _image_mask(seq: int, batch: int) -> torch.Tensor:
 
 
 def test_stock_router_has_no_modality_channel(mcore_parallel):
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     with twin.suspended():
         if twin.upstream_has_it():
             pytest.skip(f"installed megatron-core {twin.installed_version()} already has {PATCH_ID}")

@@ -72,9 +72,9 @@ def _reference_gate(router) -> torch.nn.Module:
 
 
 def test_stock_gpt_model_takes_no_modality_mask(mcore_parallel):
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    twin = _patching.discover().get(PATCH_ID)
+    twin = twins.discover().get(PATCH_ID)
     with twin.suspended():
         if twin.upstream_has_it():
             pytest.skip(f"installed megatron-core {twin.installed_version()} already has {PATCH_ID}")
@@ -87,10 +87,10 @@ def test_probe_needs_the_mask_to_reach_the_moe_layer(monkeypatch):
     """The probe runs upstream's forwards on 3 tokens: stock, or the layer half of the change alone, is "no fix"."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
     from dsv4flash.integrations.mcore.patches.modality_mask import upstream_threads_modality_mask
 
-    registry = _patching.discover()
+    registry = twins.discover()
     twin = registry.get(PATCH_ID)
     active_before = {t.meta.patch_id for t in registry.all() if t.applied}
     with twin.suspended():
@@ -136,7 +136,7 @@ def test_image_tokens_route_with_the_modality_bias(patch_form, mcore_parallel):
 
 
 def test_no_mask_is_stock_bit_for_bit(patch_form, mcore_parallel):
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
     model = _model()
     inputs = models.gpt_inputs(BATCH, SEQ)
@@ -144,7 +144,7 @@ def test_no_mask_is_stock_bit_for_bit(patch_form, mcore_parallel):
     unmarked = model(**inputs, modality_mask=torch.zeros(BATCH, SEQ, dtype=torch.bool))
     assert torch.equal(plain, unmarked)  # an all-text mask selects with the text bias everywhere
     if patch_form.name == "runtime":
-        with _patching.discover().get(PATCH_ID).suspended():
+        with twins.discover().get(PATCH_ID).suspended():
             assert torch.equal(model(**inputs), plain)  # stock megatron-core computes the same logits
     patch_form.record("logits", plain, atol=1e-5, rtol=1e-5)
 

@@ -51,9 +51,9 @@ def _expert0_hidden(router, seq: int, batch: int) -> torch.Tensor:
 @pytest.fixture
 def stock_upstream():
     """The installed megatron-core without this change (its Depends-On, the expert-bias count fix, applied)."""
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    registry = _patching.discover()
+    registry = twins.discover()
     twin, dependency = registry.get(PATCH_ID), registry.get("DSV41-MCORE-001")
     if twin.upstream_has_it():
         pytest.skip(f"installed megatron-core {twin.installed_version()} already has {PATCH_ID}")
@@ -62,7 +62,7 @@ def stock_upstream():
         with twin.suspended():
             yield twin
     finally:
-        if outcome is _patching.Outcome.APPLIED:
+        if outcome is twins.Outcome.APPLIED:
             dependency.revert()
 
 

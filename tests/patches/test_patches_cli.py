@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from dsv4flash import _patching
+from dsv4flash.patching import twins
 from dsv4flash.cli import main
+from dsv4flash.patchseries import index
 from dsv4flash.patchseries.series import SeriesError, load_series
 from tests.patches.fake_upstream import FakeProject, run_git, trailers
 
@@ -30,7 +31,7 @@ def fake(tmp_path, monkeypatch, shared_cache):
     """A fake project with its twin package importable and a private twin registry."""
     proj = FakeProject(tmp_path)
     monkeypatch.syspath_prepend(str(proj.twins))
-    monkeypatch.setattr(_patching, "REGISTRY", _patching.Registry())
+    monkeypatch.setattr(twins, "REGISTRY", twins.Registry())
     monkeypatch.setenv("DSV4FLASH_CACHE_DIR", str(shared_cache))
     yield proj
     for name in [n for n in sys.modules if n.split(".")[0] in ("fake_integrations", "fakeup")]:
@@ -142,6 +143,28 @@ def test_check_flags_a_stale_generated_index(fake, capsys):
     assert main(fake.cli("index", "--check")) == 1
     assert main(fake.cli("check", *fake.offline())) == 1
     assert "generated file is stale; run `dsv4flash patches index`" in capsys.readouterr().out
+
+
+def test_index_generates_the_tables_of_docs_patches_md(fake, capsys):
+    """docs/patches.md's block between the markers is generated; prose around it is kept; stale is an error."""
+    page = fake.project / "docs" / "patches.md"
+    page.parent.mkdir()
+    page.write_text(f"# Series\n\nprose before\n\n{index.DOCS_BEGIN}\nold table\n{index.DOCS_END}\n\nprose after\n")
+    _good_series(fake)
+    text = page.read_text()
+    assert text.startswith("# Series\n\nprose before\n\n") and text.endswith("\n\nprose after\n")
+    assert "old table" not in text and "### fakeup (fakeup 1.0)" in text
+    assert ("| `FAKE-001` | [0001](../patches/fakeup/0001-fix-core-answer-42.patch) | fix(core): answer 42 "
+            "| Pending | none | `tests/test_fake_001.py` |") in text
+    assert main(fake.cli("index", "--check")) == 0
+    page.write_text(text.replace("fix(core): answer 42 |", "hand-edited |"))
+    assert main(fake.cli("index", "--check")) == 1
+    assert f"stale: {page}" in capsys.readouterr().out
+    assert main(fake.cli("check", *fake.offline())) == 1
+    assert main(fake.cli("index")) == 0 and page.read_text() == text
+    page.write_text("# Series\n\nno markers\n")
+    assert main(fake.cli("index")) == 1
+    assert "docs/patches.md: expected one `<!-- BEGIN generated" in capsys.readouterr().err
 
 
 def _require(fake: FakeProject, *ids: str) -> None:

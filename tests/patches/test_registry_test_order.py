@@ -23,10 +23,10 @@ RUN = """
     import pytest
     rc = pytest.main(["-q", "-p", "no:cacheprovider", "tests/train/test_losses.py",
                       "tests/patches/test_runtime_registry.py"])
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
     from dsv4flash.integrations import verl as plugin
     applied = sorted(pid for pid, outcome in plugin.OUTCOMES.items()
-                     if outcome is _patching.Outcome.APPLIED and _patching.REGISTRY.get(pid).applied)
+                     if outcome is twins.Outcome.APPLIED and twins.REGISTRY.get(pid).applied)
     print(json.dumps({"rc": int(rc), "plugin_applied": applied}))
 """
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dsv4flash.patchseries import predicate, series
+from dsv4flash.patching import predicate
+from dsv4flash.patchseries import series
 from tests.patches.fake_upstream import FakeProject, trailers
 
 pytestmark = pytest.mark.patches

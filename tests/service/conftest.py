@@ -2,7 +2,7 @@
 
 import pytest
 
-from dsv4flash.service.compute.resident import ResidentBase
+from dsv4flash.engine.resident import ResidentBase
 
 
 @pytest.fixture(scope="module")

@@ -119,7 +119,16 @@ def test_forward_backward_custom_matches_builtin_and_runs_a_pairwise_loss(servic
         pref.forward_backward_custom(data, lambda b, lps: (torch.tensor(1.0), {})).result()
 
 
-def test_save_load_state_with_optimizer_resumes_bit_identically(service):
+@pytest.mark.parametrize("store", ["dir", "s3"])
+def test_save_load_state_with_optimizer_resumes_bit_identically(store, resident, tmp_path, request):
+    """Also on an s3:// store, where a second server (another machine's: its own state directory) resumes the run."""
+    from dsv4flash.lifecycle.store import AdapterStore
+
+    root = tmp_path / "store"
+    if store == "s3":
+        root = request.getfixturevalue("s3_url")
+        AdapterStore.open(root, tmp_path / "catalog.sqlite", create=True).close()
+    service = tinker.ServiceClient(root=root, resident=resident, state_dir=tmp_path / "state")
     data = [_datum([0, 5, 6, 7, 8]), _datum([0, 9, 10, 11])]
     hp = types.AdamParams(learning_rate=1e-2)
 
@@ -146,8 +155,10 @@ def test_save_load_state_with_optimizer_resumes_bit_identically(service):
     final_c = steps(c, 2)
     assert not all(torch.equal(final_a[k], final_c[k]) for k in final_a)
 
-    d = service.create_training_client_from_state_with_optimizer(path)
+    other = tinker.ServiceClient(root=root, resident=resident, state_dir=tmp_path / "other-state")
+    d = other.create_training_client_from_state_with_optimizer(path)
     assert all(torch.equal(final_a[k], v) for k, v in steps(d, 2).items())
+    assert any(b.size > 0 for b in other.store.blobs.iter_blobs())
 
 
 def test_bad_paths_and_inputs(service):
@@ -213,8 +224,13 @@ def test_early_stopped_backward_matches_full_gradient(service):
     assert torch.equal(lp_es.detach(), lp_full.squeeze(-1))
 
 
+def _content(resp):
+    """What a sample answered, without the per-call sequence ids (names, not content)."""
+    return resp.prompt_logprobs, [(s.stop_reason, s.tokens, s.logprobs, s.topk_logprobs) for s in resp.sequences]
+
+
 def test_sampling_params_and_stop_reasons(service):
-    from dsv4flash.service.compute.sampling import process_logits
+    from dsv4flash.engine.sampling import process_logits
 
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
     top1 = process_logits(logits, types.SamplingParams(top_k=1))
@@ -229,7 +245,7 @@ def test_sampling_params_and_stop_reasons(service):
     stopped = sc.sample(prompt, 1, types.SamplingParams(max_tokens=3, temperature=0.0, stop=[first])).result()
     assert stopped.sequences[0].tokens == [first] and stopped.sequences[0].stop_reason == "stop"
     again = sc.sample(prompt, 2, types.SamplingParams(max_tokens=3, seed=7)).result()
-    assert again == sc.sample(prompt, 2, types.SamplingParams(max_tokens=3, seed=7)).result()
+    assert _content(again) == _content(sc.sample(prompt, 2, types.SamplingParams(max_tokens=3, seed=7)).result())
 
 
 def test_cached_sample_equals_full_recompute(service):
@@ -251,3 +267,39 @@ def test_cached_sample_equals_full_recompute(service):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
         assert len({tuple(s.tokens) for s in cached.sequences}) > 1
         sc.use_cache = True
+
+
+def test_rank_is_the_preset_s_unless_given_and_a_fixed_rank_refuses_another(service):
+    """No rank: the preset's (full_linear_r8 fixes 8, full_linear takes any, 16 unset); an explicit rank wins."""
+    assert service.create_lora_training_client(preset="full_linear_r8").placement.rank == 8
+    assert service.create_lora_training_client(preset="full_linear_r8", rank=8).placement.rank == 8
+    assert service.create_lora_training_client().placement.rank == 16
+    tc = service.create_lora_training_client(rank=4)
+    assert tc.placement.rank == 4 and tc.adapter["layers.0.attn.wq_a.lora_A.weight"].shape[0] == 4
+    info = tc.get_info()  # tinker.types.GetInfoResponse, as the SDK's TrainingClient answers
+    assert (info.lora_rank, info.is_lora, info.model_id, info.model_data.model_name) == (4, True, tc.run_id, "tiny")
+    with pytest.raises(ValueError, match=r"^LoraConfig.rank: 32 conflicts with preset 'full_linear_r8', which fixes "
+                                         r"rank 8"):
+        service.create_lora_training_client(rank=32, preset="full_linear_r8")
+
+
+def test_train_unembed_trains_a_head_lora_that_survives_resume_and_export(service):
+    """train_unembed (Tinker's default) adapts the output head: it trains, a resumed run keeps it, the PEFT export
+    targets `head` (test_http_protocol loads such an export in PEFT); train_unembed=False leaves it out."""
+    import json
+
+    off = service.create_lora_training_client(rank=2, preset="decoder_half", train_unembed=False)
+    assert not off.placement.train_head and not [k for k in off.adapter if k.startswith("head.")]
+    tc = service.create_lora_training_client(rank=2, preset="decoder_half", seed=3)
+    assert tc.placement.train_head and tc.adapter["head.lora_B.weight"].abs().max() == 0
+    tc.forward_backward([_datum([0, 5, 6, 7, 8])], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert tc.adapter["head.lora_B.weight"].abs().max() > 0
+    state = tc.save_state("s").result().path
+    resumed = service.create_training_client_from_state(state)
+    assert resumed.placement.train_head and torch.equal(resumed.adapter["head.lora_B.weight"],
+                                                        tc.adapter["head.lora_B.weight"])
+    adapter_dir, _ = service.peft_archive(state)
+    assert "head" in json.loads((adapter_dir / "adapter_config.json").read_text())["target_modules"].split("|")
+    with pytest.raises(ValueError, match="pass train_unembed"):
+        service.create_lora_training_client(rank=2, train_head=True)

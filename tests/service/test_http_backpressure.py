@@ -30,6 +30,10 @@ def test_queue_bound_gives_429_per_tenant_and_the_sdk_rides_it_out(tmp_path):
         assert codes == [200, 200, 429], codes
         refused = post()
         assert refused.status_code == 429 and "unfinished requests" in refused.json()["detail"]
+        # refused before its body is decoded: a flood of refusals costs the server a read, not a parse
+        junk = httpx.post(f"{srv.url}/api/v1/forward_backward", content=b"not protobuf", timeout=30,
+                          headers={"X-API-Key": KEYS["alice"], "Content-Type": "application/x-protobuf"})
+        assert junk.status_code == 429, junk.text
         # bob's queue is his own
         assert bob.create_lora_training_client(base_model="tiny", rank=4).result().model_id
         # the SDK retries 429 with back-off until alice's queue drains

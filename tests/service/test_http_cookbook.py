@@ -48,11 +48,12 @@ def test_cookbook_supervised_train_main_runs_against_the_server(cookbook_env, tm
     from tinker_cookbook.tokenizer_utils import get_tokenizer
 
     from dsv4flash.integrations.cookbook import TaskSupervisedDatasetBuilder
+    from dsv4flash.tasks.text_tokenizer import encode_task_text
     from dsv4flash.tasks import TaskTokenizer
 
     base = _served_base_dir(cookbook_env)
     text = "q : 12 + 7 = ? a : 19"
-    assert get_tokenizer(base).encode(text, add_special_tokens=False) == TaskTokenizer("tiny").encode(text)
+    assert encode_task_text(get_tokenizer(base), text) == TaskTokenizer("tiny").encode(text)
     log_path = tmp_path / "sft"
     config = train.Config(
         log_path=str(log_path), model_name=base, recipe_name="dsv4flash_task_sft", base_url=cookbook_env.url,
@@ -67,7 +68,7 @@ def test_cookbook_supervised_train_main_runs_against_the_server(cookbook_env, tm
     final = _final_checkpoint(log_path)
     assert final["name"] == "final" and final["state_path"].startswith("tinker://")
     run = rest_client(cookbook_env).get_training_run_by_tinker_path(final["state_path"]).result()
-    assert run.lora_rank == 4 and run.base_model == "tiny"
+    assert run.lora_rank == 4 and run.base_model == base
     paths = [c.tinker_path for c in rest_client(cookbook_env).list_checkpoints(run.training_run_id).result().checkpoints]
     assert final["state_path"] in paths and final["sampler_path"] in paths
 
@@ -95,7 +96,7 @@ def test_cookbook_rl_train_main_runs_against_the_server(cookbook_env, tmp_path):
     assert all(r["tokens/trained"] > r["tokens/sampled"] > 0 for r in rows)
     final = _final_checkpoint(log_path)
     run = rest_client(cookbook_env).get_training_run_by_tinker_path(final["state_path"]).result()
-    assert run.base_model == "tiny" and run.lora_rank == 4
+    assert run.base_model == _served_base_dir(cookbook_env) and run.lora_rank == 4
 
 
 @pytest.mark.slow
@@ -123,6 +124,7 @@ def test_cookbook_rl_train_main_with_tinker_038_losses(cookbook_env, tmp_path, l
 
 
 def test_sdk_sampling_client_tokenizer_loads_offline_by_the_served_base_name(cookbook_env):
+    from dsv4flash.tasks.text_tokenizer import encode_task_text
     from dsv4flash.tasks import TaskTokenizer
     from tests.service.http_server import service_client
 
@@ -132,5 +134,5 @@ def test_sdk_sampling_client_tokenizer_loads_offline_by_the_served_base_name(coo
         text = "q : 3 + 4 = ? a : 7"
         for name, sampler in (("base", sdk.create_sampling_client(base_model=base).result()),
                               ("snapshot", tc.save_weights_and_get_sampling_client().result())):
-            assert sampler.get_base_model() == base, name  # get_info answers with the name the run used
-            assert sampler.get_tokenizer().encode(text, add_special_tokens=False) == TaskTokenizer("tiny").encode(text)
+            assert sampler.get_base_model() == base, name  # get_info answers with the served name
+            assert encode_task_text(sampler.get_tokenizer(), text) == TaskTokenizer("tiny").encode(text)

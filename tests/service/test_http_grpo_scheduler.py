@@ -77,7 +77,7 @@ def test_the_policy_server_runs_core_calls_as_scheduler_turns(resident, tmp_path
     plane = PolicyServer(core.ServiceClient(root=tmp_path, resident=resident))
     try:
         sid = plane.create_session("alice", {})
-        model_id = plane.create_model("alice", sid, 0, "tiny", {"rank": 4}, None)
+        model_id = plane.create_model("alice", sid, 0, "tiny", {"rank": 4}, None).result()
         tc = plane.model("alice", model_id)
         datum = core.types.Datum(core.types.ModelInput.from_ints(PROBE[:-1]),
                                  {"target_tokens": PROBE[1:], "weights": [1.0] * (len(PROBE) - 1)})
@@ -88,7 +88,7 @@ def test_the_policy_server_runs_core_calls_as_scheduler_turns(resident, tmp_path
         tc.save_weights_for_sampler("s").result()  # a store write: no turn either
         tc.optim_step(core.types.AdamParams(learning_rate=1e-2)).result()
         run = model_id.replace(":", "-")
-        assert plane.scheduler.grants == [(run, "update"), (sampler_id, "rollout"), (run, "update")]
+        assert list(plane.scheduler.grants) == [(run, "update"), (sampler_id, "rollout"), (run, "update")]
         assert plane.scheduler.busy_s["update"] > 0 and plane.scheduler.busy_s["rollout"] > 0
     finally:
         plane.close()
@@ -100,7 +100,7 @@ def test_without_the_phase_scheduler_calls_meet_only_at_the_base_lock(resident, 
     plane = PolicyServer(core.ServiceClient(root=tmp_path, resident=resident), phase_scheduler=False)
     try:
         sid = plane.create_session("alice", {})
-        tc = plane.model("alice", plane.create_model("alice", sid, 0, "tiny", {"rank": 4}, None))
+        tc = plane.model("alice", plane.create_model("alice", sid, 0, "tiny", {"rank": 4}, None).result())
         assert plane.scheduler is None and tc._exec.gate is None  # `dsv4flash serve --scheduler lock`
         datum = core.types.Datum(core.types.ModelInput.from_ints(PROBE[:-1]),
                                  {"target_tokens": PROBE[1:], "weights": [1.0] * (len(PROBE) - 1)})

@@ -43,9 +43,15 @@ def test_sampler_cap_and_session_finish_free_memory(tmp_path):
     (["--base", "{tmp}/nowhere"], "neither a flavour"),
     (["keys", "remove", "x"], "unknown action"),
     (["keys", "add", "alice"], "--keys FILE is required"),
+    (["--store", "{tmp}/empty-secret"], "jwt_secret: the JWT signing secret is 0 bytes, expected at least 32"),
+    (["--store", "{tmp}/short-secret"], "download_secret: the download secret is 8 bytes, expected at least 32"),
 ])
 def test_serve_user_errors_exit_2_without_traceback(tmp_path, args, message):
     (tmp_path / "bad").write_text("only-one-field\n")
+    (tmp_path / "empty-secret" / "service").mkdir(parents=True)
+    (tmp_path / "empty-secret" / "service" / "jwt_secret").write_bytes(b"")  # signs tokens anyone can forge
+    (tmp_path / "short-secret" / "service").mkdir(parents=True)
+    (tmp_path / "short-secret" / "service" / "download_secret").write_bytes(b"x" * 8)  # download URLs guessable
     argv = [a.format(tmp=tmp_path) for a in args]
     done = subprocess.run([sys.executable, "-m", "dsv4flash", "serve", "--store", str(tmp_path / "s"), *argv],
                           capture_output=True, text=True, timeout=120)

@@ -27,13 +27,16 @@ def mint_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("mint")
     with running_server(root / "store", write_keys(root / "keys")) as srv:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(MINT_SDK), str(ROOT)]), "OMP_NUM_THREADS": "1",
-               "MINT_BASE_URL": srv.url, "MINT_API_KEY": KEYS["mallory"]}
+               "MINT_BASE_URL": srv.url, "MINT_API_KEY": KEYS["mallory"], "DSV4FLASH_TML_KEY": KEYS["alice"],
+               "DSV4FLASH_DOWNLOAD_DIR": str(root / "download")}
         env.pop("TINKER_API_KEY", None)
         env.pop("TINKER_BASE_URL", None)
         done = subprocess.run([sys.executable, str(Path(__file__).with_name("mint_client.py"))], env=env,
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-4000:]
-        yield json.loads(done.stdout), root / "store", srv
+        out = json.loads(done.stdout)
+        out["download_dir"] = str(root / "download")
+        yield out, root / "store", srv
 
 
 def _datum(mod):
@@ -44,23 +47,27 @@ def _datum(mod):
 
 @pytest.fixture(scope="module")
 def local(mint_run, resident, tmp_path_factory):
-    """The same calls on the in-process core."""
+    """The same calls on the in-process core, on one intra-op thread as the server runs (launch.py): a module
+    fixture is built before the function-scoped `one_thread`, and another thread count rounds differently."""
     import dsv4flash.service as core
     from dsv4flash.service.compute.distill import ReverseKLDatum, forward_backward_reverse_kl
+    from tests._threads import single_thread
 
-    service = core.ServiceClient(root=tmp_path_factory.mktemp("local"), resident=resident)
-    tc = service.create_lora_training_client(rank=4)
-    losses = []
-    for _ in range(2):
-        fb = tc.forward_backward([_datum(core.types)], "cross_entropy")
-        tc.optim_step(core.types.AdamParams(learning_rate=1e-2)).result()
-        losses.append(fb.result().metrics["loss:sum"])
-    logprobs = tc.forward([_datum(core.types)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
-    a = tc.save_weights_for_sampler("a").result().path
-    tc.forward_backward([_datum(core.types)], "cross_entropy").result()
-    tc.optim_step(core.types.AdamParams(learning_rate=1e-2)).result()
     tokens = [0, 10, 11, 12, 20, 21, 22, 1]
-    kl = forward_backward_reverse_kl(tc, [ReverseKLDatum(tokens[:-1], tokens[:-1], tokens[1:], [1.0] * 7)], a).result()
+    with single_thread():
+        service = core.ServiceClient(root=tmp_path_factory.mktemp("local"), resident=resident)
+        tc = service.create_lora_training_client(rank=4)
+        losses = []
+        for _ in range(2):
+            fb = tc.forward_backward([_datum(core.types)], "cross_entropy")
+            tc.optim_step(core.types.AdamParams(learning_rate=1e-2)).result()
+            losses.append(fb.result().metrics["loss:sum"])
+        logprobs = tc.forward([_datum(core.types)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        a = tc.save_weights_for_sampler("a").result().path
+        tc.forward_backward([_datum(core.types)], "cross_entropy").result()
+        tc.optim_step(core.types.AdamParams(learning_rate=1e-2)).result()
+        kl = forward_backward_reverse_kl(tc, [ReverseKLDatum(tokens[:-1], tokens[:-1], tokens[1:], [1.0] * 7)],
+                                         a).result()
     return dict(losses=losses, logprobs=logprobs, kl=kl)
 
 
@@ -70,6 +77,29 @@ def test_mint_client_trains_through_the_server(mint_run, local):
     assert out["losses"] == local["losses"]
     assert out["forward_logprobs"] == local["logprobs"]
     assert out["a"].endswith("/sampler_weights/a") and len(out["sampled"]) == 2
+
+
+def test_which_key_form_sdk_022_accepts(mint_run):
+    """Plain tinker 0.22 takes tml- keys and JWTs and refuses the sk- key before sending; MinT's client takes sk-
+    (the training above), tml- keys and JWTs."""
+    out, _, _ = mint_run
+    assert out["plain_sk"] == "TinkerError: The api_key must start with the 'tml-' prefix"
+    assert out["plain_tml"] == [] and out["plain_jwt"] == []  # accepted: alice's and (then) mallory's empty lists
+    assert out["mint_tml_runs"] == 0  # alice's key through MinT's client: accepted, her (empty) run list
+    assert out["mint_jwt_owners"] == ["mallory"]  # mallory's JWT through MinT's client: her runs, trained above
+
+
+def test_get_checkpoint_archive_url_gives_a_peft_adapter(mint_run, tmp_path):
+    """SDK 0.22's archive URL (a 302 to a signed URL on the same server) downloads a tar of the checkpoint's PEFT
+    adapter, which loads in transformers + PEFT and scores a prompt as the server's sampler did."""
+    from tests.service.http_server import peft_prompt_logprobs, served_tiny_base
+
+    out, _, srv = mint_run
+    assert out["archive_url"].startswith(f"{srv.url}/api/v1/downloads/")
+    assert out["archive_members"][-1] == "checkpoint_complete"  # last, after every file
+    tokens = [0, 10, 11, 12, 20, 21, 22]
+    ours = peft_prompt_logprobs(served_tiny_base(tmp_path / "base"), Path(out["download_dir"]), tokens)
+    np.testing.assert_allclose(ours, out["a_logprobs"], rtol=0, atol=1e-5)
 
 
 def test_mint_interpolate_checkpoints(mint_run):

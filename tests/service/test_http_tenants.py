@@ -142,6 +142,9 @@ def test_every_id_taking_endpoint_refuses_another_tenant(world):
                                         {}),
         "ttl": ("PUT", f"training_runs/{run}/checkpoints/{kind_name}/ttl", dict(json={"ttl_seconds": 3600})),
         "archive url": ("GET", f"training_runs/{run}/checkpoints/{kind_name}/external_weights_urls", {}),
+        "archive (SDK 0.22)": ("GET", f"training_runs/{run}/checkpoints/{kind_name}/archive", {}),
+        "save_weights_external of alice's model": ("POST", "save_weights_external", dict(json={
+            "model_id": mid, "path": "stolen"})),
         "weights_info": ("POST", "weights_info", dict(json={"tinker_path": priv})),
         "MinT reverse KL on alice's model": ("POST", "mint/forward_backward_reverse_kl", dict(json={
             "model_id": mid, "reference_model_path": world["public"], "data": []})),
@@ -183,9 +186,24 @@ def test_published_checkpoint_is_readable_across_tenants(world):
         out = sampler.sample(types.ModelInput.from_ints([0, 10, 11]), 1, types.SamplingParams(max_tokens=2, seed=0))
         assert len(out.result().sequences[0].tokens) <= 2
         assert rest_client(srv, "bob").get_weights_info_by_tinker_path(public).result().lora_rank == 4
+    urls = _as(world, "bob", "GET", f"training_runs/{public.split('/')[2]}/checkpoints/sampler_weights/public/"
+                                    f"external_weights_urls").json()["urls"]
+    assert httpx.get(urls["adapter_config.json"]).json()["peft_type"] == "LORA"  # signed for bob, no key sent
     # readable is not writable: unpublishing or deleting it stays alice's
     assert _as(world, "mallory", "DELETE", "training_runs/{}/checkpoints/sampler_weights/public".format(
         public.split("/")[2])).status_code == 404
+
+
+@pytest.mark.parametrize("secret", [b"", b"x" * 31])
+def test_an_empty_or_short_jwt_secret_is_refused(tmp_path, secret):
+    from dsv4flash.service.plane.keys import SecretFileError, TokenSigner
+
+    path = tmp_path / "jwt_secret"
+    path.write_bytes(secret)  # with b"" any client could sign a token for any tenant
+    with pytest.raises(SecretFileError, match=rf"jwt_secret: the JWT signing secret is {len(secret)} bytes, "
+                                              rf"expected at least 32"):
+        TokenSigner(path)
+    assert path.read_bytes() == secret  # refused, not silently replaced
 
 
 def test_key_to_jwt_exchange(world, tmp_path):

@@ -89,10 +89,49 @@ def test_ttl_expires_checkpoints_and_a_name_can_be_saved_again(service):
     service.create_sampling_client(short)
     rest.set_checkpoint_ttl_from_tinker_path(keep, None).result()
     assert rest.list_checkpoints(tc.run_id).result().checkpoints[-1].expires_at is None
-    with pytest.raises(ValueError, match="ttl_seconds must be positive"):
+    with pytest.raises(ValueError, match=r"ttl_seconds: expected a number of seconds in \[1, 315360000\]"):
         rest.set_checkpoint_ttl_from_tinker_path(keep, 0).result()
     reopened = tinker.ServiceClient(root=service.root, resident=service.base)  # the registry persists
     assert reopened.checkpoints.get(keep) == service.checkpoints.get(keep)
+
+
+def test_bad_ttls_are_refused_before_saving_and_a_bad_stored_row_never_fails_a_listing(service, caplog):
+    import json
+    import logging
+
+    tc = _train(service)
+    for bad in (10**30, True, 0, -5, float("nan"), "60"):
+        with pytest.raises(ValueError, match=r"ttl_seconds: expected a number of seconds in \[1, 315360000\]"):
+            tc.save_state("never", ttl_seconds=bad)
+    assert "weights.never" not in service.store.catalog.tags(tc.run_id)  # refused before anything was written
+    kept = tc.save_state("kept", ttl_seconds=3600).result().path
+    # Rows no check stops any more: a registry written before them (ttl_seconds=10**30 stored as 1e30), or by hand.
+    registry = service.root / "service" / "checkpoints.json"
+    rows = json.loads(registry.read_text())["checkpoints"]
+    rows[kept]["expires_at"] = 1e30
+    rows["not a path"] = {"expires_at": None, "public": True}
+    registry.write_text(json.dumps({"checkpoints": rows}))
+    with caplog.at_level(logging.WARNING, logger="dsv4flash.service"):
+        reopened = tinker.ServiceClient(root=service.root, resident=service.base)  # a server restart
+        listed = reopened.create_rest_client().list_checkpoints(tc.run_id).result().checkpoints
+        every = reopened.create_rest_client().list_user_checkpoints().result().checkpoints
+    assert [c.tinker_path for c in listed] == [kept] and listed[0].expires_at is None
+    assert [c.tinker_path for c in every] == [kept]
+    assert "1e+30" in caplog.text and "'not a path'" in caplog.text
+
+
+def test_external_weights_have_their_own_path_entry_and_a_checked_ttl(service):
+    for kind in ("weights", "sampler_weights", "external_weights"):  # a spelling is per kind, never folded
+        parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(f"mint://r-train-0/{kind}/x")
+        assert parsed.canonical == f"tinker://r-train-0/{kind}/x"
+    tc = _train(service)
+    with pytest.raises(ValueError, match=r"ttl_seconds: .* got True"):
+        tc.save_weights_external("never", ttl_seconds=True)
+    assert "external_weights.never" not in service.store.catalog.tags(tc.run_id)
+    external = tc.save_weights_external("out", ttl_seconds=3600).result().path
+    sampler = tc.save_weights_for_sampler("out").result().path
+    assert service.checkpoints.get(external)["expires_at"] is not None
+    assert service.checkpoints.get(sampler)["expires_at"] is None  # not the external checkpoint's entry
 
 
 def test_archive_url_is_a_peft_directory_of_the_checkpoint(service):

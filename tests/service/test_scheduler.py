@@ -63,7 +63,7 @@ def test_phase_scheduler_runs_one_phase_at_a_time_rollouts_first():
     release.set()
     for t in [first, *waiters]:
         t.join()
-    assert sched.grants == [("a", "update"), ("c", "rollout"), ("e", "rollout"), ("b", "update"), ("d", "update")]
+    assert list(sched.grants) == [("a", "update"), ("c", "rollout"), ("e", "rollout"), ("b", "update"), ("d", "update")]
     assert overlaps == []
 
 

@@ -56,18 +56,19 @@ def test_every_model_id_has_a_token(pair):
         hf(f"<unused{unused}>", add_special_tokens=False)
 
 
-def test_the_server_serves_the_same_files(tmp_path):
-    """The Tinker-protocol server's tokenizer directory is this writer's (one implementation), kept up to date."""
-    from dsv4flash.service.protocol.hf_tokenizer import ensure_hf_tokenizer_dir
+def test_the_server_keeps_its_tokenizer_directory_up_to_date(tmp_path):
+    """The Tinker-protocol server's directory is `save_text_tokenizer`'s files (the served tokenizer: the task ids
+    plus a byte fallback, tests/service/test_http_protocol.py), rewritten when the vocabulary or format changes."""
+    from dsv4flash.tasks.text_tokenizer import FORMAT, ensure_hf_tokenizer_dir, save_text_tokenizer
 
     tok = TaskTokenizer("tiny")
     served = ensure_hf_tokenizer_dir(tmp_path / "served", tok)
-    written = save_hf_tokenizer(tok, tmp_path / "written")
+    written = save_text_tokenizer(tok, tmp_path / "written")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (served / name).read_bytes() == (written / name).read_bytes(), name
     marker = served / "dsv4flash_tokenizer.json"
     stamp = marker.read_text()
     assert ensure_hf_tokenizer_dir(served, tok) == served and marker.read_text() == stamp  # fresh: untouched
-    marker.write_text(stamp.replace('"format": 2', '"format": 1'))  # written by an older writer
+    marker.write_text(stamp.replace(f'"format": {FORMAT}', f'"format": {FORMAT - 1}'))  # an older writer's
     ensure_hf_tokenizer_dir(served, tok)
     assert marker.read_text() == stamp

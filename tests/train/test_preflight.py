@@ -55,6 +55,7 @@ def test_lora_rule_on_frozen_and_adaptable_modules_is_fine():
                                  r"allowed: \[.*'vllm'.*\]"),
     (["engine.dtype=float64"], r"engine\.dtype='float64': allowed: \['bfloat16', 'float16', 'float32'\]"),
     (["engine.max_length=64"], r"engine\.max_length=64 is below .* = 72; allowed: >= 72"),
+    (["engine.agent_loop_workers=0"], r"engine\.agent_loop_workers=0 must be a positive number of processes"),
 ])
 def test_verl_layout_errors_name_the_key_and_the_allowed_values(overrides, message):
     with pytest.raises(RunConfigError, match=message):

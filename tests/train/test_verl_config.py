@@ -1,5 +1,6 @@
 """engine=verl: the recipes compose into a complete veRL ppo_trainer config that veRL's own validator accepts."""
 
+import json
 import os
 import subprocess
 import sys
@@ -31,6 +32,7 @@ def test_decoder_lora_validates_with_verls_schema(decoder_lora):
     assert c.actor_rollout_ref.actor.strategy == "megatron" and c.actor_rollout_ref.actor._target_.endswith(
         "McoreActorConfig")
     assert c.algorithm.adv_estimator == "grpo" and c.actor_rollout_ref.rollout.n == 8
+    assert c.actor_rollout_ref.rollout.agent.num_workers == 8  # veRL's own default on a cluster
     assert c.actor_rollout_ref.rollout.name == "vllm" and c.actor_rollout_ref.rollout.calculate_log_probs
     assert c.actor_rollout_ref.rollout.enable_rollout_routing_replay
     assert c.actor_rollout_ref.actor.megatron.router_replay.mode == "R3"
@@ -126,8 +128,9 @@ def test_cli_engine_verl_on_cpu_stops_after_validation(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: engine.launch=auto would launch")
     out = tmp_path / "run"
-    run = _run("dsv4flash.train", "+recipe=decoder_lora", "engine=verl", "data.verl_train_size=16", "data.val_size=8",
-               f"output_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
+    # model.base=random: no trained base to default model.hf_path to, so the written files name no path here
+    run = _run("dsv4flash.train", "+recipe=decoder_lora", "engine=verl", "model.base=random", "data.verl_train_size=16",
+               "data.val_size=8", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "not launching veRL (no CUDA GPU is visible" in run.stdout and "validated" in run.stdout
     assert (out / "verl_ppo_trainer.yaml").is_file() and (out / "launch_verl.sh").is_file()
@@ -168,12 +171,38 @@ def test_cli_engine_verl_on_cpu_stops_after_validation(tmp_path):
 
 
 def test_launch_needs_the_checkpoint_path(tmp_path):
+    """Without a trained base to default to (model.base=random), launching without model.hf_path is an error."""
     from dsv4flash.train.verl_engine import run_verl
 
-    cfg = to_train_config(compose("decoder_lora", ["engine=verl", "engine.launch=force", "data.verl_train_size=8",
-                                                   "data.val_size=4"]))
+    cfg = to_train_config(compose("decoder_lora", ["engine=verl", "model.base=random", "engine.launch=force",
+                                                   "data.verl_train_size=8", "data.val_size=4"]))
     with pytest.raises(VerlConfigError, match="model.hf_path"):
         run_verl(cfg, tmp_path, log=lambda *_: None)
+
+
+def test_the_cpu_recipe_defaults_to_the_trained_base_and_a_graded_reward(pretrained_base, tmp_path):
+    """The README's veRL command names no base: model.hf_path is the trained tiny base the main job uses (found in
+    the cache, not rebuilt), and the arithmetic reward gives partial credit, so a near answer scores above 0."""
+    import json
+
+    import pyarrow.parquet as pq
+    from omegaconf import OmegaConf
+
+    from dsv4flash.tasks.verl_reward import compute_score
+    from dsv4flash.train.verl_engine import run_verl
+
+    lines = []
+    cfg = to_train_config(compose("decoder_lora_verl_cpu", ["engine.launch=never",
+                                                            f"model.cache_dir={pretrained_base.parents[2]}"]))
+    result = run_verl(cfg, tmp_path / "run", log=lines.append)
+    assert OmegaConf.load(result["config"]).actor_rollout_ref.model.path == str(pretrained_base)
+    assert not any("building it" in line for line in lines), lines
+    row = pq.read_table(tmp_path / "run" / "verl_data" / "train.parquet").to_pylist()[0]
+    truth = row["reward_model"]["ground_truth"]
+    assert json.loads(row["extra_info"]["task_options"]) == {"partial_credit": True}
+    assert compute_score(row["data_source"], truth, truth, row["extra_info"]) == 1.0
+    near = compute_score(row["data_source"], str(int(truth) + 1), truth, row["extra_info"])
+    assert 0 < near < 0.5, near
 
 
 def test_a_dsv4flash_base_gets_its_task_tokenizer_in_hf_form(tmp_path):
@@ -216,13 +245,29 @@ def test_the_cpu_recipe_publishes_to_a_run_relative_store_and_v1_is_refused(tmp_
 
     mcfg = load_config("tiny")
     base = save_base(Transformer(mcfg, seed=0), mcfg, TaskTokenizer(mcfg), tmp_path / "base", {"kind": "test"})
-    cfg = to_train_config(compose("decoder_lora_verl_cpu", [f"model.hf_path={base}", "engine.launch=never"]))
     out = tmp_path / "run"
+    cfg = to_train_config(compose("decoder_lora_verl_cpu", [f"model.hf_path={base}", "engine.launch=never",
+                                                            f"lifecycle.root={out}/lifecycle"]))
     written = OmegaConf.load(run_verl(cfg, out, log=lambda *_: None)["config"])
-    assert OmegaConf.to_container(written.trainer.dsv4flash_lifecycle) == {"store": "lifecycle",
-                                                                            "policy": "decoder_lora_verl_cpu"}
+    section = OmegaConf.to_container(written.trainer.dsv4flash_lifecycle)
+    placement = section.pop("placement")
+    assert section == {"store": "lifecycle", "policy": "decoder_lora_verl_cpu"}
+    # every revision carries the run's placement, so the server rebuilds the adapter's shell (the recipe's own)
+    from dsv4flash.lora import LoraConfig
+    from dsv4flash.train.preflight import lora_config
+
+    assert LoraConfig.from_dict(json.loads(placement)) == lora_config(cfg.lora)
     assert written.trainer.save_freq == 1
+    assert written.actor_rollout_ref.rollout.agent.num_workers == 2  # one per core, not veRL's 8
     assert "trainer.dsv4flash_lifecycle.store=$here/lifecycle" in (out / "launch_verl.sh").read_text()
+    # by default the run publishes where every training run does: the user's store, under another policy if asked
+    from dsv4flash.lifecycle.default_store import default_store
+
+    mine = to_train_config(compose("decoder_lora_verl_cpu", [f"model.hf_path={base}", "engine.launch=never",
+                                                             "lifecycle.policy=mine"]))
+    written = OmegaConf.load(run_verl(mine, tmp_path / "mine", log=lambda *_: None)["config"])
+    section = OmegaConf.to_container(written.trainer.dsv4flash_lifecycle)
+    assert {k: section[k] for k in ("store", "policy")} == {"store": str(default_store()), "policy": "mine"}
     v1 = to_train_config(compose("decoder_lora_verl_cpu", [f"model.hf_path={base}", "engine.launch=never",
                                                            'engine.overrides=["trainer.use_v1=true"]']))
     with pytest.raises(VerlConfigError, match="engine.publish=true needs veRL's legacy trainer"):

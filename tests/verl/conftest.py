@@ -27,3 +27,15 @@ def mcore_parallel():
 
     with parallel.model_parallel(seed=1234):
         yield parallel
+
+
+@pytest.fixture(scope="session")
+def verl_text_run(pretrained_base, tmp_path_factory):
+    """One uninterrupted `+recipe=decoder_lora_verl_cpu` run (2 GRPO steps) on the pretrained tiny base with the
+    recipe's own reward (arithmetic with partial credit) -> (base, run dir, log). The end-to-end checks and the
+    resume test's reference run read it."""
+    from tests.verl import _runs
+
+    out = tmp_path_factory.mktemp("verl_text") / "run"
+    log = _runs.run(_runs.command("decoder_lora_verl_cpu", pretrained_base, out), out)
+    return pretrained_base, out, log

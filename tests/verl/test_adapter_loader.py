@@ -130,7 +130,7 @@ def test_3d_adapter_without_mixed_format_is_refused(patch_form, vllm_cpu, restor
 
 
 def test_stock_verl_loader_breaks_on_vllm_033(vllm_cpu, restore_load_adapter):
-    """P24 on the real code: veRL 0.9.1's loader calls the renamed mapper method."""
+    """docs/upstream.md §4.1 on the real code: veRL 0.9.1's loader calls the renamed mapper method."""
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
     from verl.utils.vllm import VLLMHijack
 
@@ -141,7 +141,7 @@ def test_stock_verl_loader_breaks_on_vllm_033(vllm_cpu, restore_load_adapter):
 
 
 def test_hijack_ordering_keeps_the_fixed_loader(vllm_cpu, restore_load_adapter):
-    """P23: vLLM's plugins run first, veRL's hijack later; the chained hijack still leaves our loader on top."""
+    """docs/upstream.md §4.1: vLLM's plugins run first, veRL's hijack later; the chained hijack keeps ours on top."""
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
     from verl.utils.vllm import VLLMHijack
 

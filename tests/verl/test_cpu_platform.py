@@ -68,6 +68,7 @@ def test_refuses_to_run_where_a_cuda_device_is_visible(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.whole_machine  # a Ray cluster of its own (tests/_scheduling.py)
 def test_two_worker_ray_group_all_reduces_over_gloo(monkeypatch):
     import ray
     from verl.single_controller.ray.base import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager

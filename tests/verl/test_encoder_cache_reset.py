@@ -51,7 +51,10 @@ def test_wake_up_after_adapter_sync_resets_encoder_cache(patch_form, mode):
 
 
 def test_stock_colocated_wake_up_keeps_stale_image_embeddings():
-    """P21 on the real code: a COLOCATED wake-up after an adapter sync leaves the encoder cache alone."""
+    """docs/upstream.md §3.4 on the real code: a COLOCATED wake-up after a sync leaves the encoder cache alone."""
+    from verl.workers.rollout.vllm_rollout import vllm_async_server  # noqa: F401  (imported before the block:
+    # a first import inside it would run the plugin's post-import hook, which applies the twin again)
+
     with stock(PATCH_ID):
         server = _server("colocated", lora_rank=16)
         asyncio.run(server.wake_up())

@@ -1,5 +1,7 @@
 """The real veRL GRPO run on CPU: `python -m dsv4flash.train +recipe=decoder_lora_verl_cpu` runs veRL's own
-`main_ppo` (legacy `RayPPOTrainer.fit`) on a local Ray cluster (127.0.0.1, started and stopped by the run):
+`main_ppo` (legacy `RayPPOTrainer.fit`) on a local Ray cluster (127.0.0.1, started and stopped by the run),
+on the pretrained tiny base with the recipe's own reward (arithmetic with partial credit; the same run is the
+resume test's uninterrupted reference):
 the Megatron actor (CSA2 model through the bridge, 2 gloo ranks, EP=2, fp32, decoder-half LoRA with layer 6's
 KV write frozen), the dsv4flash rollout backend, an unmerged LoRA sync every step.
 
@@ -18,67 +20,34 @@ rows route natively (`actor/routing_replay/image_rows_native` > 0).
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.upstream]
+from dsv4flash.bench.verl_step import step_metrics as _metrics
+from tests.verl import _runs
+
+pytestmark = [pytest.mark.slow, pytest.mark.upstream, pytest.mark.whole_machine]
 
 
-def _run_recipe(tmp_path_factory, recipe: str, name: str):
-    """`python -m dsv4flash.train +recipe=RECIPE` on a seeded tiny base -> (run dir, log)."""
+@pytest.fixture(scope="module")
+def run(verl_text_run):
+    """The shared text run (tests/verl/conftest.py): the pretrained tiny base, the graded reward -> (run dir, log)."""
+    _base, out, log = verl_text_run
+    return out, log
+
+
+@pytest.fixture(scope="module")
+def image_run(tmp_path_factory):
+    """`+recipe=decoder_lora_verl_cpu_geometry` on a seeded tiny base with the vision tower -> (run dir, log)."""
     from dsv4flash.config import load_config
     from dsv4flash.engine.model_io import save_base
     from dsv4flash.model.transformer import Transformer
     from dsv4flash.tasks import TaskTokenizer
 
-    root = tmp_path_factory.mktemp(name)
+    root = tmp_path_factory.mktemp("verl_grpo_images")
     cfg = load_config("tiny")
     base = save_base(Transformer(cfg, seed=0), cfg, TaskTokenizer(cfg), root / "base", {"kind": "test"})
-    # megatron-core writes NVTE_*_ATTN into os.environ for the backend of any model this process built; the
-    # run picks its own backend and refuses inherited values that disagree.
-    env = {k: v for k, v in os.environ.items() if k not in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")}
-    env.update(VERL_PLATFORM="cpu", GLOO_SOCKET_IFNAME="lo", RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.run(
-        [sys.executable, "-m", "dsv4flash.train", f"+recipe={recipe}", f"model.hf_path={base}",
-         f"output_dir={root / 'run'}"],
-        env=env, capture_output=True, text=True, timeout=1500)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
-    return root / "run", log
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return _run_recipe(tmp_path_factory, "decoder_lora_verl_cpu", "verl_grpo")
-
-
-@pytest.fixture(scope="module")
-def image_run(tmp_path_factory):
-    return _run_recipe(tmp_path_factory, "decoder_lora_verl_cpu_geometry", "verl_grpo_images")
-
-
-_NUMBER = re.compile(r"(?:np\.\w+\()?(-?\d[\d.]*(?:e[-+]?\d+)?|nan|-?inf)\)?")
-
-
-def _metrics(log: str) -> dict[int, dict[str, float]]:
-    """veRL's per-step metric lines (`step:N - key:value - ...`)."""
-    out: dict[int, dict[str, float]] = {}
-    for line in log.splitlines():
-        m = re.search(r"step:(\d+) - (.*)", line)
-        if not m:
-            continue
-        values = {}
-        for part in m[2].split(" - "):
-            key, _, value = part.partition(":")
-            num = _NUMBER.fullmatch(value.strip())
-            if num:
-                values[key.strip()] = float(num[1])
-        out.setdefault(int(m[1]), {}).update(values)
-    return out
+    out = root / "run"
+    return out, _runs.run(_runs.command("decoder_lora_verl_cpu_geometry", base, out), out)
 
 
 def test_two_grpo_steps_with_the_megatron_actor_and_the_dsv4flash_rollout(run):
@@ -86,6 +55,8 @@ def test_two_grpo_steps_with_the_megatron_actor_and_the_dsv4flash_rollout(run):
     steps = _metrics(log)
     assert {1, 2} <= set(steps), sorted(steps)
     assert "Training Progress: 100%" in log and "2/2" in log  # veRL's progress display
+    # the README's example learns from something: the recipe's reward is not all zero on the trained base
+    assert max(steps[step]["critic/score/mean"] for step in (1, 2)) > 0, [steps[s]["critic/score/mean"] for s in (1, 2)]
     for step in (1, 2):
         m = steps[step]
         assert m["training/global_step"] == step
@@ -106,7 +77,7 @@ def test_the_checkpoint_holds_the_unmerged_adapter(run):
     assert adapter.is_dir() and any(adapter.iterdir())
 
 
-def test_every_step_is_a_published_lifecycle_revision(run):
+def test_every_step_is_a_published_lifecycle_revision(run, verl_text_run):
     """The policy record of the run: head = step 2 chained onto step 1, each with veRL's step folder as trainer
     state, scheduler/data position, the base fingerprint and the rollout records of the batch it trained on."""
     import io
@@ -119,7 +90,7 @@ def test_every_step_is_a_published_lifecycle_revision(run):
     from dsv4flash.lifecycle import AdapterStore, base_fingerprint
 
     out, log = run
-    base = out.parent / "base"
+    base, _, _ = verl_text_run
     store = AdapterStore.open(out / "lifecycle")
     policy = store.policy("decoder_lora_verl_cpu")
     assert policy.base.digest == base_fingerprint(base_config(base)).digest
@@ -169,3 +140,31 @@ def test_image_prompts_through_the_vit_with_text_only_routing_replay(image_run):
         assert m["training/rollout_probs_diff_max"] <= 1e-5, m["training/rollout_probs_diff_max"]
         assert m["actor/routing_replay/text_rows_replayed"] > 0 and m["actor/routing_replay/image_rows_native"] > 0, m
         assert m["actor/routing_replay/text_rows_mismatch"] == 0, m
+
+
+def test_the_server_samples_a_published_step_by_name(run, verl_text_run, tmp_path):
+    """A veRL revision carries the run's placement: the embedded service (what `dsv4flash serve` runs) samples
+    `tinker://decoder_lora_verl_cpu/weights/step-2`, with transformers + PEFT's prompt log-probs on the revision's
+    PEFT export, and not the bare base's."""
+    import numpy as np
+
+    from dsv4flash.lifecycle import AdapterStore
+    from dsv4flash.lifecycle.export import export_peft
+    from dsv4flash.service import ServiceClient, types
+    from tests.service.http_server import peft_prompt_logprobs
+
+    out, _ = run
+    base, _, _ = verl_text_run
+    with AdapterStore.open(out / "lifecycle") as store:
+        export_peft(store.load_adapter("decoder_lora_verl_cpu:step-2"), tmp_path / "peft",
+                    base_model_name_or_path=str(base))
+    service = ServiceClient(root=out / "lifecycle", base_dir=base)
+    sampler = service.create_sampling_client(model_path="tinker://decoder_lora_verl_cpu/weights/step-2")
+    prompt = types.ModelInput.from_ints(service.get_tokenizer().encode("q : 12 + 30 = ? a :"))
+    served = sampler.compute_logprobs(prompt).result()[1:]
+    bare = service.create_sampling_client(base_model=service.base.base_model).compute_logprobs(prompt).result()[1:]
+    np.testing.assert_allclose(peft_prompt_logprobs(base, tmp_path / "peft", prompt.to_ints()), served, rtol=0,
+                               atol=1e-5)
+    assert served != bare  # the adapter is applied
+    answer = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=0.0)).result()
+    assert len(answer.sequences[0].tokens) >= 1

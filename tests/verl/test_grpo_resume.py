@@ -1,70 +1,42 @@
 """Killing the real veRL GRPO run and restarting it (`python -m dsv4flash.train +recipe=decoder_lora_verl_cpu`).
 
-Three runs on the pretrained tiny base (`pretrain_tiny`, built once into the cache) with a graded arithmetic
-reward (`_graded_reward.py`: exact answers 1, near ones partial credit). A random-init base scores 0 on every
+Three runs on the pretrained tiny base (`pretrain_tiny`, built once into pytest's cache) with the recipe's graded
+arithmetic reward (`partial_credit`: exact answers 1, near ones partial credit). A random-init base scores 0 on every
 response, and the pretrained one rarely answers exactly, so with exact-match rewards GRPO's advantages and
 update would be 0 and "bit-identical" would say nothing. Sampling is the recipe's own: every rollout request
 seeded by its trajectory (no `full_determinism`):
-  A  uninterrupted, 2 GRPO steps; both steps have nonzero advantages and change the adapter; after every sync
-     the fixed-prompt check (`weight_sync/fixed_prompt_logprob_diff_max`) is within 1e-5;
+  A  uninterrupted, 2 GRPO steps (the run the end-to-end checks read: `verl_text_run`, tests/verl/conftest.py);
+     both steps have nonzero advantages and change the adapter; after every sync the fixed-prompt check
+     (`weight_sync/fixed_prompt_logprob_diff_max`) is within 1e-5;
   B1 once step 1 is published, a Megatron worker (a `ray::WorkerDict` of this run) is SIGKILLed during step
-     2's actor update and then the driver with its whole process tree (Ray included): the catalog's head is still
-     step 1, its blobs verify, nothing of step 2 is registered or left in the store (no temp file, no
+     2's actor update and then the driver with its whole process tree (Ray included): the catalog's head is
+     still step 1, its blobs verify, nothing of step 2 is registered or left in the store (no temp file, no
      unreferenced blob);
   B2 the same command again: it resumes from the step-1 revision and its step 2 equals A's bit for bit
      (adapter tensors, the published revision's content address, every logged metric but timings).
-Only processes this test started are killed (by pid, from the driver's process tree). Ray runs: under the
-machine-wide lock (`flock /tmp/s4/ray.lock`).
+Only processes this test started are killed (by pid, from the driver's process tree). The runs are
+`whole_machine` tests: under pytest-xdist never beside another Ray run.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
 from dsv4flash.bench.verl_step import step_metrics
+from tests.verl import _runs
 
-pytestmark = [pytest.mark.slow, pytest.mark.upstream]
+pytestmark = [pytest.mark.slow, pytest.mark.upstream, pytest.mark.whole_machine]
 
 POLICY = "decoder_lora_verl_cpu"
 TIMING = ("timing_s/", "timing_per_token_ms/", "perf/")  # and any "<role>/perf/" figure (memory, throughput)
 SYNC_METRIC = "weight_sync/fixed_prompt_logprob_diff_max"
 SYNC_LINE = "dsv4flash sync check: weight_sync/fixed_prompt_logprob_diff_max:"
-
-
-GRADED_REWARD = Path(__file__).with_name("_graded_reward.py")
-# the recipe's own overrides, then the graded reward (veRL's reward.custom_reward_function)
-OVERRIDES = ('engine.overrides=["trainer.use_v1=false", "+ray_kwargs.ray_init._node_ip_address=127.0.0.1", '
-             f'"reward.custom_reward_function.path={GRADED_REWARD}", '
-             '"reward.custom_reward_function.name=compute_score"]')
-
-
-def _command(base, out):
-    return [sys.executable, "-m", "dsv4flash.train", "+recipe=decoder_lora_verl_cpu", f"model.hf_path={base}",
-            f"output_dir={out}", OVERRIDES]
-
-
-def _env():
-    # megatron-core writes NVTE_*_ATTN into os.environ for any model this process built (see test_grpo_e2e.py)
-    env = {k: v for k, v in os.environ.items() if k not in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")}
-    return {**env, "VERL_PLATFORM": "cpu", "GLOO_SOCKET_IFNAME": "lo", "RAY_USAGE_STATS_ENABLED": "0"}
-
-
-def _run(base, out) -> str:
-    proc = subprocess.run(_command(base, out), env=_env(), capture_output=True, text=True, timeout=1500)
-    log = proc.stdout + proc.stderr
-    out.mkdir(parents=True, exist_ok=True)
-    (out.parent / f"run_{out.name}_attempt.log").write_text(log)
-    assert proc.returncode == 0, log[-6000:]
-    return log
 
 
 def _kill_tree(proc: subprocess.Popen, first: psutil.Process | None = None) -> None:
@@ -85,26 +57,17 @@ def _kill_tree(proc: subprocess.Popen, first: psutil.Process | None = None) -> N
     proc.wait(timeout=60)
 
 
-def _pretrained_base(tmp_path_factory):
-    """The pretrain_tiny base (deterministic for its config and the code), from $DSV4FLASH_CACHE when set."""
-    from dsv4flash.train.base_cache import ensure_base
-    from dsv4flash.train.compose import compose, to_train_config
-
-    cache = os.environ.get("DSV4FLASH_CACHE") or str(tmp_path_factory.mktemp("cache"))
-    return ensure_base(to_train_config(compose("decoder_lora", [f"model.cache_dir={cache}"])))
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(verl_text_run, tmp_path_factory):
+    """A: the shared uninterrupted run (tests/verl/conftest.py); B1 killed in step 2; B2 the same command again
+    -> (A's run dir, A's log, B1's log, what B1 left, B2's log, B's run dir)."""
     from dsv4flash.lifecycle import AdapterStore
 
+    base, run_a, log_a = verl_text_run
     root = tmp_path_factory.mktemp("verl_resume")
-    base = _pretrained_base(tmp_path_factory)
-    log_a = _run(base, root / "a")
-
     out = root / "b"
-    proc = subprocess.Popen(_command(base, out), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    cmd = _runs.command(POLICY, base, out)
+    proc = subprocess.Popen(cmd, env=_runs.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen, published, deadline = [], False, time.monotonic() + 1500
     try:
         for line in proc.stdout:
@@ -134,16 +97,15 @@ def runs(tmp_path_factory):
                   "state": store.trainer_state(POLICY, head.id)}
         for key in killed["blobs"]:
             store.blobs.verify(key)
-    log_b = _run(base, out)
-    for name, text in (("a", log_a), ("b1", "".join(seen)), ("b2", log_b)):  # kept for a failure's post-mortem
-        (root / f"run_{name}.log").write_text(text)
-    return root, log_a, "".join(seen), killed, log_b
+    (root / "run_b1.log").write_text("".join(seen))  # kept for a failure's post-mortem
+    log_b = _runs.run(cmd, out)
+    return run_a, log_a, "".join(seen), killed, log_b, out
 
 
 def test_both_steps_learn_and_the_fixed_prompt_check_holds_in_the_run(runs):
     from dsv4flash.lifecycle import AdapterStore
 
-    root, log_a, _, _, log_b = runs
+    run_a, log_a, _, _, log_b, _ = runs
     a, b = step_metrics(log_a), step_metrics(log_b)
     for step in (1, 2):
         m = a[step]
@@ -152,7 +114,7 @@ def test_both_steps_learn_and_the_fixed_prompt_check_holds_in_the_run(runs):
         assert m[SYNC_METRIC] <= 1e-5, (step, m[SYNC_METRIC])  # measured inside the run after the step's sync
     assert b[2][SYNC_METRIC] <= 1e-5
     assert log_a.count(SYNC_LINE) >= 3  # the initial sync and the two after the updates
-    with AdapterStore.open(root / "a" / "lifecycle") as store:
+    with AdapterStore.open(run_a / "lifecycle") as store:
         one = store.load_adapter(f"{POLICY}:step-1").to_packed_tensors()
         two = store.load_adapter(f"{POLICY}:step-2").to_packed_tensors()
     assert one.keys() == two.keys() and any(not _equal(one[k], two[k]) for k in one)  # step 2 moved the adapter
@@ -160,7 +122,7 @@ def test_both_steps_learn_and_the_fixed_prompt_check_holds_in_the_run(runs):
 
 
 def test_a_worker_killed_mid_step_leaves_the_last_revision_intact(runs):
-    _, _, log_b1, killed, _ = runs
+    _, _, log_b1, killed, _, _ = runs
     head = killed["head"]
     assert head.step == 1 and f"published step 1 as revision {head.id[:12]}" in log_b1
     assert "published step 2" not in log_b1
@@ -175,7 +137,7 @@ def test_a_worker_killed_mid_step_leaves_the_last_revision_intact(runs):
 def test_the_restarted_run_resumes_from_the_revision_and_repeats_step_2_bit_for_bit(runs):
     from dsv4flash.lifecycle import AdapterStore
 
-    root, log_a, _, killed, log_b = runs
+    run_a, log_a, _, killed, log_b, run_b = runs
     assert f"resuming from revision {killed['head'].id[:12]} (step 1)" in log_b
     a, b = step_metrics(log_a), step_metrics(log_b)
     assert 1 not in b or "training/global_step" not in b[1]  # step 1 was not trained again
@@ -184,7 +146,7 @@ def test_the_restarted_run_resumes_from_the_revision_and_repeats_step_2_bit_for_
     differ = {k: (a[2][k], b[2][k]) for k in keys
               if a[2][k] != b[2][k] and not (math.isnan(a[2][k]) and math.isnan(b[2][k]))}
     assert not differ, differ
-    with AdapterStore.open(root / "a" / "lifecycle") as sa, AdapterStore.open(root / "b" / "lifecycle") as sb:
+    with AdapterStore.open(run_a / "lifecycle") as sa, AdapterStore.open(run_b / "lifecycle") as sb:
         ha, hb = sa.resolve(f"{POLICY}:head"), sb.resolve(f"{POLICY}:head")
         assert ha.step == hb.step == 2 and hb.parent == killed["head"].id
         ta, tb = sa.load_adapter(ha.id).to_packed_tensors(), sb.load_adapter(hb.id).to_packed_tensors()

@@ -99,7 +99,7 @@ def test_unwrapped_experts_still_refit(patch_form):
 
 
 def test_stock_verl_skips_lora_wrapped_experts():
-    """P20 on the real code: the LoRA-wrapped experts are not recognised, so the reload is never converted."""
+    """docs/upstream.md §3.3 on the real code: LoRA-wrapped experts go unrecognised, the reload is never converted."""
     from verl.utils.vllm import vllm_fp4_utils as fp4
 
     model, module = _experts(wrapped=True)

@@ -2,7 +2,7 @@
 
 veRL's own replay patch is applied (`apply_router_replay_patch`, R3 as the Megatron engine does); routing goes
 through `dsv4flash.integrations.mcore.router.ModalityTopKRouter`, which keeps sqrtsoftplus and the per-token
-text/image bias that veRL's replacement `routing` lacks (P28).
+text/image bias that veRL's replacement `routing` lacks (docs/upstream.md §4.2).
 """
 
 from __future__ import annotations
@@ -172,6 +172,8 @@ def test_stock_forward_step_calls_read_the_micro_batch_keys(mcore_parallel):
     with applied(PATCH_ID):
         ti.MegatronEngineWithLMHead.prepare_model_inputs(None, batch)
         positional = ti.align_r3_router_replay_data(_nested(compact), input_ids)
+        with pytest.raises(RuntimeError, match="route rows"):  # another micro-batch's ids never see this stash
+            ti.align_r3_router_replay_data(_nested(compact), _nested(torch.zeros(LAYOUT.expanded_len, dtype=torch.long)))
         explicit = ti.align_r3_router_replay_data(_nested(compact), input_ids, row_map=keys["r3_row_map"])
         mask = ti.build_r3_replay_mask(input_ids, torch.ones(1, RESPONSE))
         ti.MegatronEngineWithLMHead.prepare_model_inputs(None, {k: batch[k] for k in ("input_ids", "loss_mask",
@@ -200,7 +202,7 @@ def test_stock_r3_cannot_align_compact_routes(mcore_parallel):
 
 
 def test_verl_replay_patch_breaks_the_stock_sqrtsoftplus_router(mcore_parallel):
-    """P28: with veRL's replay patch, megatron-core 0.19.2's own TopKRouter rejects sqrtsoftplus."""
+    """docs/upstream.md §4.2: under veRL's replay patch megatron-core 0.19.2's own TopKRouter rejects sqrtsoftplus."""
     with verl_router_replay_patch():
         _, model = _model(modality=False)
         with pytest.raises(ValueError, match="sqrtsoftplus"):

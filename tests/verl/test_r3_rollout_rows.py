@@ -138,6 +138,9 @@ def test_the_check_fails_on_stock_verls_row_for_row_routes(setup, monkeypatch):
 
     from dsv4flash.integrations.verl.replay_check import count_mismatches
 
+    from verl.experimental.agent_loop import agent_loop  # noqa: F401  (imported before the block: a first
+    from verl.workers.utils import padding  # noqa: F401  import inside it runs the plugin's post-import hook again)
+
     monkeypatch.setattr(rru, "device_name", "cpu")
     with stock(PATCH_ID):
         td, natives, types = _batch(setup, seeds=(0,))

@@ -188,7 +188,7 @@ def test_prompt_logprobs_take_vllms_layout(base_dir, reference):
 
 
 def test_top_k_and_top_p_shape_the_sampling_distribution(base_dir):
-    """top-k / top-p go through `engine.sampling.generate`'s `logprobs_fn` (the service's `process_logits`)."""
+    """top-k / top-p go through `engine.sampling.Sampling` (`engine.sampling.process_logits`, as the service)."""
     from dsv4flash.integrations.verl.rollout.engine import RolloutEngine
 
     engine = RolloutEngine(base_dir)
@@ -208,7 +208,7 @@ def test_base_sync_takes_the_release_layout_the_bridge_exports(base_dir, tmp_pat
     from dsv4flash_bridge.synthetic import write_release_checkpoint
 
     from dsv4flash.integrations.verl.rollout.engine import RolloutEngine
-    from dsv4flash.quant_plan import quant_role, scale_name
+    from dsv4flash.release.quant_plan import quant_role, scale_name
 
     release = write_release_checkpoint(tmp_path / "release", "tiny", shards=2, seed=7)
     with CheckpointReader(release) as ckpt:
@@ -314,6 +314,7 @@ def _verl_config(base_dir: Path):
 
 
 @pytest.mark.slow
+@pytest.mark.whole_machine  # a Ray cluster of its own (tests/_scheduling.py)
 def test_verl_replicas_serve_the_adapter_pushed_through_the_weight_sync(monkeypatch, tmp_path, base_dir, reference):
     import ray
     from ray import cloudpickle

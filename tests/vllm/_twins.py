@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 def twin(patch_id: str):
     """The registered runtime twin (every twin module discovered)."""
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
-    return _patching.discover().get(patch_id)
+    return twins.discover().get(patch_id)
 
 
 @contextlib.contextmanager

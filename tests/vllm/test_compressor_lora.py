@@ -110,7 +110,7 @@ def test_ratio_one_compressor_has_no_gate(patch_form, vllm_cpu, compressors):
 
 
 def test_stock_vllm_silently_drops_compressor_lora(vllm_cpu, compressors, monkeypatch):
-    """P18 on the real 0.33 code: the stock merged-column wrapper loads the adapter, the raw GEMM ignores it."""
+    """docs/upstream.md §3.2 on real 0.33 code: the stock merged-column wrapper loads it, the raw GEMM ignores it."""
     from vllm.lora.layers import MergedColumnParallelLinearWithLoRA
     from vllm.models.deepseek_v41.attention import DeepseekV4Attention
 

@@ -145,7 +145,7 @@ def test_mega_attention_backend_refuses_lora(patch_form):
 
 
 def test_stock_vllm_silently_drops_wo_a_lora(vllm_cpu, adapters, monkeypatch):
-    """P18 on the real 0.33 code: the stock wrapper loads the adapter and the o-projection ignores it."""
+    """docs/upstream.md §3.2 on real 0.33 code: the stock wrapper loads the adapter, the o-projection ignores it."""
     from vllm.lora.layers import ColumnParallelLinearWithLoRA
     from vllm.models.deepseek_v41.nvidia import flashmla
     from vllm.models.deepseek_v41.nvidia.ops import o_proj as o_proj_module

@@ -13,8 +13,11 @@ def task_example(task_name: str, seed: int, split: int, index: int):
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
-    """bos + text, as the local engine encodes a prompt (the HF tokenizer adds no specials itself)."""
+    """bos + text with the task tokenizer's ids, as the local engine encodes a prompt (the served tokenizer adds
+    no specials itself; its whitespace bytes are left out: `encode_task_text`)."""
+    from dsv4flash.tasks.text_tokenizer import encode_task_text
+
     if tokenizer.bos_token_id is None:
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no bos token: not a "
                          f"dsv4flash task tokenizer (give model_name = the directory dsv4flash serve lists)")
-    return [int(tokenizer.bos_token_id)] + list(tokenizer.encode(text, add_special_tokens=False))
+    return [int(tokenizer.bos_token_id)] + encode_task_text(tokenizer, text)

@@ -27,10 +27,10 @@ class TaskEnv(Env):
 
     async def step(self, action, *, extra=None) -> StepResult:
         """Score the sampled answer; one step per episode."""
-        from dsv4flash.tasks.hf_tokenizer import canonical_text
+        from dsv4flash.tasks.text_tokenizer import decode_task_text
 
-        # A Hugging Face decode of task ids spaces digits apart ("1 9"): score the task's own text form ("19").
-        text = canonical_text(self.tokenizer.decode(action, skip_special_tokens=True).strip())
+        # The task's own text form ("19", "red circle"): the served decode joins tokens without spaces.
+        text = decode_task_text(self.tokenizer, action)
         reward = float(self.task.reward(self.example, text))
         return StepResult(reward=reward, episode_done=True, next_observation=tinker.ModelInput.empty(),
                           next_stop_condition=[], metrics={"correct": reward})

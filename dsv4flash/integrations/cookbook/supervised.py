@@ -10,6 +10,7 @@ from tinker_cookbook.supervised.types import SupervisedDataset, SupervisedDatase
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 from dsv4flash.integrations.cookbook.common import encode_prompt, task_example
+from dsv4flash.tasks.text_tokenizer import encode_task_text
 
 
 class TaskSupervisedDataset(SupervisedDataset):
@@ -34,7 +35,7 @@ class TaskSupervisedDataset(SupervisedDataset):
 def task_datum(tokenizer, example) -> tinker.Datum:
     """One supervised datum: bos + prompt (weight 0), answer + eos (weight 1), shifted by the cookbook."""
     prompt = encode_prompt(tokenizer, example.prompt)
-    answer = list(tokenizer.encode(example.answer, add_special_tokens=False)) + [int(tokenizer.eos_token_id)]
+    answer = encode_task_text(tokenizer, example.answer) + [int(tokenizer.eos_token_id)]
     weights = torch.tensor([0.0] * len(prompt) + [1.0] * len(answer))
     return datum_from_model_input_weights(tinker.ModelInput.from_ints(prompt + answer), weights)
 

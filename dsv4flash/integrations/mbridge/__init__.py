@@ -30,6 +30,7 @@ __all__ = ["register", "is_registered", "SOURCE", "MODEL_TYPE", "ReleasePretrain
 SOURCE = "DeepseekV41ForCausalLM"
 MODEL_TYPE = "deepseek_v41"
 _lock = threading.Lock()
+REGISTERED: set[str] = set()  # Patch-Ids register() found active, with their Depends-On: applied for the process
 _LAZY = {"ReleasePretrained": "checkpoint", "save_release": "checkpoint", "RowChunk": "checkpoint",
          "DSV41LoRA": "grouped_lora", "save_peft_adapter": "peft_export", "DSV41BridgeModelProvider": "provider"}
 
@@ -56,10 +57,12 @@ def register() -> type:
     with _lock:
         from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 
-        from dsv4flash import _patching
+        from dsv4flash.patching import twins
 
-        _patching.discover()
-        _patching.REGISTRY.apply_all(distribution="megatron-bridge")  # idempotent; each twin checks its gate
+        twins.discover()
+        outcomes = twins.REGISTRY.apply_all(distribution="megatron-bridge")  # idempotent; each twin checks its gate
+        # an active twin's Depends-On are active too
+        REGISTERED.update(twins.REGISTRY.with_dependencies(pid for pid, out in outcomes.items() if out.active))
 
         from dsv4flash.integrations.mbridge.bridge import DSV41Bridge
         from dsv4flash.integrations.mbridge.provider import DSV41BridgeModelProvider

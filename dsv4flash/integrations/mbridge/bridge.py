@@ -30,7 +30,7 @@ from megatron.core import parallel_state
 
 from dsv4flash.config import DSV41FlashConfig, load_config
 from dsv4flash.integrations.mbridge.checkpoint import RowChunk
-from dsv4flash.quant_plan import QuantRole, quant_role, scale_name
+from dsv4flash.release.quant_plan import QuantRole, quant_role, scale_name
 from dsv4flash_bridge import codecs
 from dsv4flash_bridge.mapping import megatron_lookup
 

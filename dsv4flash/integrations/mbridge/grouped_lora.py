@@ -1,7 +1,7 @@
 """Block-diagonal LoRA on the grouped output projection (`linear_o_group_proj`, release `wo_a`) in Megatron.
 
 Megatron-Bridge's LoRA cannot wrap `linear_o_group_proj`: it is a grouped einsum, not a linear, and a generic
-adapter over the concatenated input would add G×G cross-group terms (architecture.md §3). `DSV41LoRA` is
+adapter over the concatenated input would add G×G cross-group terms (docs/architecture.md §3). `DSV41LoRA` is
 Megatron-Bridge's `LoRA` that additionally wraps every matching `GroupedOutputProjection` in a
 `GroupedLoRAProjection`: group g gets its own update, z_g += scaling · B_g (A_g o_g), i.e. ΔW rows
 g·o_lora_rank … (g+1)·o_lora_rank − 1 are B_g·A_g (`dsv4flash.lora.functional`, the reference's math).
@@ -35,31 +35,32 @@ VISION_PREFIXES = ("vision_model.", "vision_projection.")
 class GroupedLoRAAdapter(nn.Module):
     """The factors of one grouped adapter (B starts at zero, so a fresh adapter changes nothing)."""
 
-    def __init__(self, groups: int, in_per_group: int, out_per_group: int, dim: int, alpha: float, mode: str,
+    def __init__(self, groups: int, in_per_group: int, out_per_group: int, rank: int, alpha: float, mode: str,
                  dtype: torch.dtype, device=None) -> None:
         super().__init__()
         if mode not in WO_A_MODES:
             raise ValueError(f"grouped LoRA mode must be one of {WO_A_MODES}, got {mode!r}")
-        self.dim, self.alpha, self.mode, self.groups = dim, alpha, mode, groups
-        a_shape = (groups, dim, in_per_group) if mode == "per_group" else (dim, in_per_group)
-        b_shape = (groups, out_per_group, dim) if mode == "per_group" else (groups * out_per_group, dim)
+        self.rank, self.alpha, self.mode, self.groups = rank, alpha, mode, groups
+        a_shape = (groups, rank, in_per_group) if mode == "per_group" else (rank, in_per_group)
+        b_shape = (groups, out_per_group, rank) if mode == "per_group" else (groups * out_per_group, rank)
         bound = 1.0 / math.sqrt(in_per_group)  # PEFT's Kaiming-uniform(a=√5) bound
         self.lora_A = nn.Parameter(torch.empty(a_shape, dtype=dtype, device=device).uniform_(-bound, bound))
         self.lora_B = nn.Parameter(torch.zeros(b_shape, dtype=dtype, device=device))
 
     @property
     def scaling(self) -> float:
-        """alpha / dim."""
-        return float(self.alpha) / self.dim
+        """alpha / rank."""
+        return float(self.alpha) / self.rank
 
 
 class GroupedLoRAProjection(nn.Module):
     """`linear_o_group_proj` plus its block-diagonal update: o [B,S,G,in_g] -> [B,S,G·out_g]."""
 
-    def __init__(self, to_wrap: GroupedOutputProjection, dim: int, alpha: float, mode: str = "per_group") -> None:
+    def __init__(self, to_wrap: GroupedOutputProjection, rank: int, alpha: float, mode: str = "per_group") -> None:
         super().__init__()
         self.to_wrap = to_wrap
-        self.adapter = GroupedLoRAAdapter(to_wrap.local_groups, to_wrap.in_per_group, to_wrap.rank, dim, alpha, mode,
+        # out per group = the release's o_lora_rank (`to_wrap.rank`, the base projection's width), not the LoRA rank
+        self.adapter = GroupedLoRAAdapter(to_wrap.local_groups, to_wrap.in_per_group, to_wrap.rank, rank, alpha, mode,
                                           torch.float32, to_wrap.weight.device)
 
     def forward(self, o: torch.Tensor) -> torch.Tensor:
@@ -103,6 +104,7 @@ class DSV41LoRA(LoRA):
         if isinstance(module, GroupedOutputProjection):
             if self.match(module, name, prefix) is None:
                 return module
+            # `dim` is Megatron-Bridge's name of the LoRA rank (a field of its `LoRA`)
             return GroupedLoRAProjection(module, self.dim, self.alpha, self.wo_a_lora)
         return super().transform(module, name, prefix)
 

@@ -33,8 +33,9 @@ def collect_adapters(bridge, megatron_model) -> tuple[dict[str, torch.Tensor], i
     for model in models:
         for module in model.modules():
             adapter = getattr(module, "adapter", None)
-            if adapter is not None and hasattr(adapter, "dim") and hasattr(adapter, "alpha"):
-                ranks.add(int(adapter.dim))
+            if adapter is not None and hasattr(adapter, "alpha") and hasattr(adapter, "rank" if isinstance(
+                    module, GroupedLoRAProjection) else "dim"):  # Megatron-Bridge's adapters call the rank `dim`
+                ranks.add(int(adapter.rank if isinstance(module, GroupedLoRAProjection) else adapter.dim))
                 alphas.add(float(adapter.alpha))
             if isinstance(module, GroupedLoRAProjection):
                 modes.add(module.adapter.mode)

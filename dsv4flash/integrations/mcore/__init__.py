@@ -9,8 +9,26 @@ from __future__ import annotations
 
 
 def register() -> dict:
-    """Apply every megatron-core runtime twin; returns Patch-Id -> `dsv4flash._patching.Outcome`."""
-    from dsv4flash import _patching
+    """Apply every megatron-core runtime twin; returns Patch-Id -> `dsv4flash.patching.twins.Outcome`."""
+    from dsv4flash.patching import twins
 
-    _patching.discover()
-    return _patching.REGISTRY.apply_all(distribution="megatron-core")
+    twins.discover()
+    return twins.REGISTRY.apply_all(distribution="megatron-core")
+
+
+# The twins whose upstream-form modules the CSA2 stack (`integrations.mcore.csa2`) is built from; on a release
+# that ships them (a patched tree) applying them is a no-op.
+STACK_TWINS = ("DSV41-MCORE-010", "DSV41-MCORE-009")
+
+
+def require_stack_modules() -> None:
+    """Make the upstream-form modules of `STACK_TWINS` importable (apply those twins, Depends-On first)."""
+    from dsv4flash.patching import twins
+
+    registry = twins.discover()
+    for patch_id in STACK_TWINS:
+        twin = registry.get(patch_id)
+        outcome = twin.apply()
+        if not outcome.active:
+            raise ImportError(f"the CSA2 stack needs {patch_id} ({twin.meta.gate}={twin.gate_mode()!r} gave "
+                              f"{outcome.value}); leave the gate unset or 'auto', or install a patched megatron-core")

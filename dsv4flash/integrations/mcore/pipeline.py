@@ -3,7 +3,7 @@
 With a frozen vision tower + encoder and decoder-only LoRA, no stage before some stage k has anything to train,
 yet stock 0.19 still ships input gradients from stage k down to stage 0 and every stage in between backprops
 through its frozen layers just to produce them. Skipping on one side deadlocks: `send_backward(None)` sends
-nothing while the neighbour still posts its receive (upstream.md §1.6, P9).
+nothing while the neighbour still posts its receive (docs/upstream.md §1.5).
 
 `BackwardEarlyStop` makes the skip symmetric:
 

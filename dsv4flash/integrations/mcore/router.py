@@ -1,7 +1,7 @@
 """Padding-safe modality routing for megatron-core 0.19: the V4.1 gate as a `TopKRouter` subclass.
 
 V4.1 scores experts with sqrt(softplus(x·Wᵀ)) and picks the top-k of `scores + bias`, where the bias is the
-text `bias` or, on image-span tokens, `bias_vl` (architecture.md §5); the bias never weights an expert. The
+text `bias` or, on image-span tokens, `bias_vl` (docs/architecture.md §5); the bias never weights an expert. The
 weights are the unbiased scores of the picked experts, normalised and scaled by the route scale.
 
 Stock 0.19 has one `expert_bias`, no modality channel and routes padding like any other token. Here:

@@ -63,14 +63,14 @@ OUTCOMES: dict = {}
 
 def apply(patch_id: str):
     """Apply one veRL twin now; records and returns its `Outcome` (or the ImportError that skipped it)."""
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
     with _lock:
         if patch_id in _applying:  # fired again from inside its own install: the outer call finishes it
             return OUTCOMES.get(patch_id)
         _applying.add(patch_id)
         try:
-            registry = _patching.discover()
+            registry = twins.discover()
             try:
                 outcome = registry.get(patch_id).apply(registry=registry)
             except ImportError as exc:  # the module it patches needs a package this process lacks
@@ -85,7 +85,7 @@ def apply(patch_id: str):
 def register_bridge_when_imported() -> None:
     """Register the project's Megatron-Bridge bridge (`DeepseekV41ForCausalLM`) as soon as a veRL worker imports
     `megatron.bridge`: veRL's Megatron engine builds its model with `AutoBridge.from_hf_pretrained`."""
-    from dsv4flash.post_import import when_imported
+    from dsv4flash.patching.post_import import when_imported
 
     def register_bridge() -> None:
         from dsv4flash.integrations import mbridge
@@ -97,14 +97,14 @@ def register_bridge_when_imported() -> None:
 
 def register(now: bool = False) -> dict:
     """Schedule every veRL twin for when its module is imported (`now=True`: apply all at once)."""
-    from dsv4flash import _patching
-    from dsv4flash.post_import import when_imported
+    from dsv4flash.patching import twins
+    from dsv4flash.patching.post_import import when_imported
 
-    twins = [t.meta.patch_id for t in _patching.discover().all() if t.meta.distribution == DISTRIBUTION]
-    missing = sorted(set(twins) - set(TRIGGERS))
+    patch_ids = [t.meta.patch_id for t in twins.discover().all() if t.meta.distribution == DISTRIBUTION]
+    missing = sorted(set(patch_ids) - set(TRIGGERS))
     if missing:
         raise RuntimeError(f"veRL twins without an import trigger: {missing}")
-    for patch_id in twins:
+    for patch_id in patch_ids:
         if now:
             apply(patch_id)
         else:

@@ -224,7 +224,7 @@ MEGATRON_ENGINES = (("language_model", "MegatronEngineWithLMHead"), ("value_mode
 
 def register_cpu_engines() -> None:
     """Register veRL's own Megatron engines for device `cpu` too (idempotent), when their module is imported."""
-    from dsv4flash.post_import import when_imported
+    from dsv4flash.patching.post_import import when_imported
 
     def register() -> None:
         from verl.workers.engine.base import EngineRegistry
@@ -245,7 +245,7 @@ def enter_cpu_development_mode() -> bool:
     3.11 `typing.override`, Transformer Engine stubs). True if the mode is active in this process."""
     if not selected() or cuda_visible():
         return False
-    from dsv4flash.post_import import when_imported
+    from dsv4flash.patching.post_import import when_imported
 
     def install() -> None:
         from dsv4flash.cpu_mode import mbridge_import, mcore_redirect

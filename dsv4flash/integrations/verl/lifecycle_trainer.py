@@ -14,6 +14,7 @@ config and `lifecycle_task_runner()` as `run_ppo`'s task runner (`dsv4flash.trai
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -64,6 +65,8 @@ class LifecycleRayPPOTrainer(RayPPOTrainer):
         self.base_cfg = base_config(self.config.actor_rollout_ref.model.path)
         self.store = AdapterStore.open(section["store"], create=True)
         self.policy = str(section["policy"])
+        # the run's LoRA placement (train/verl_config.py writes it): each revision carries it for the server
+        self.placement = json.loads(section["placement"]) if section.get("placement") else None
         self.store.create_policy(self.policy, base_fingerprint(self.base_cfg),
                                  {"engine": "verl", "base": str(self.config.actor_rollout_ref.model.path)})
         self._rollouts: list[dict[str, Any]] = []
@@ -121,7 +124,8 @@ class LifecycleRayPPOTrainer(RayPPOTrainer):
                      **({"last_lr": [self._lr]} if self._lr is not None else {})}
         t0 = time.perf_counter()
         rev = publish_step(self.store, self.policy, step_dir, self.base_cfg, step=step, scheduler=scheduler,
-                           data_position=position, rollouts=self._rollouts)
+                           data_position=position, rollouts=self._rollouts,
+                           extra={"placement": self.placement} if self.placement is not None else None)
         # `bench verl_step` reads the publish share of veRL's timing_s/save_checkpoint from this line
         print(f"dsv4flash lifecycle: published step {step} as revision {rev.id[:12]} of policy {self.policy!r} "
               f"(publish_s:{time.perf_counter() - t0:.6f})")

@@ -1,7 +1,7 @@
 """MXFP4 routed-expert refit under MoE LoRA: find the `Mxfp4MoEMethod` behind vLLM's LoRA wrapper.
 
 Once vLLM wraps a MoE in `FusedMoEWithLoRA`, `RoutedExperts.quant_method` is a `FusedMoEModularMethod` holding
-the original in `.old_quant_method` (upstream.md §3.4, P20). veRL's refit tests
+the original in `.old_quant_method` (docs/upstream.md §3.3). veRL's refit tests
 `isinstance(module.quant_method, Mxfp4MoEMethod)` and reads the layout and backend from it, so under LoRA the
 experts are either skipped (checkpoint-layout bytes then land in kernel-layout storage) or refused.
 """

@@ -9,15 +9,18 @@ carries that per sample (`dsv4flash.replay.r3_batch_keys`):
 * `r3_row_map` — nested int64 [R_i]: the training row of each recorded route row, −1 = never replayed;
 * `r3_native_rows` — nested bool [S_i]: rows that always route natively (image spans).
 
-`prepare_model_inputs` stashes them for the micro-batch being built; the two veRL functions then consult them.
+`prepare_model_inputs` stashes them for the micro-batch being built; the two veRL functions then consult them
+when they are called on that micro-batch's `input_ids` (the same tensor `forward_step` passes on), so a stash
+never outlives its micro-batch.
 Batches without the keys take veRL's own behaviour unchanged. The Megatron router that replays them is
 `dsv4flash.integrations.mcore.router.ModalityTopKRouter` (sqrtsoftplus, per-token `bias`/`bias_vl`), which
-veRL's replay patch leaves in place because it overrides `routing` (P28).
+veRL's replay patch leaves in place because it overrides `routing` (docs/upstream.md §4.2).
 """
 
 from __future__ import annotations
 
 import contextvars
+import weakref
 
 import torch
 
@@ -28,7 +31,12 @@ _current: contextvars.ContextVar[dict | None] = contextvars.ContextVar("dsv4flas
 def stash_micro_batch(batch) -> None:
     """Remember the text-only replay keys of the micro-batch `prepare_model_inputs` is building (None if absent)."""
     keys = {k: _get(batch, k) for k in (ROW_MAP, NATIVE_ROWS)}
-    _current.set(keys if keys[ROW_MAP] is not None else None)
+    input_ids = _get(batch, "input_ids")
+    if keys[ROW_MAP] is None or input_ids is None:
+        _current.set(None)
+        return
+    # Held weakly and matched by identity: only calls on this micro-batch's own ids see its keys.
+    _current.set({**keys, "input_ids": weakref.ref(input_ids)})
 
 
 def _get(batch, key):
@@ -42,16 +50,19 @@ def _parts(t: torch.Tensor) -> list[torch.Tensor]:
     return list(t.unbind()) if getattr(t, "is_nested", False) else [t]
 
 
-def _keys(row_map=None, native_rows=None) -> dict | None:
-    """Explicit keys (the upstream form's keywords) win over the micro-batch stash."""
+def _keys(input_ids: torch.Tensor, row_map=None, native_rows=None) -> dict | None:
+    """Explicit keys (the upstream form's keywords) win over the stash of the micro-batch `input_ids` belong to."""
     if row_map is not None:
         return {ROW_MAP: row_map, NATIVE_ROWS: native_rows}
-    return _current.get()
+    stash = _current.get()
+    if stash is None or stash["input_ids"]() is not input_ids:
+        return None
+    return stash
 
 
 def align_routes(layers_topk_idx: torch.Tensor, input_ids: torch.Tensor, original, row_map=None):
     """`align_r3_router_replay_data` that moves each recorded row to its training row (text-only replay)."""
-    keys = _keys(row_map)
+    keys = _keys(input_ids, row_map)
     if keys is None:
         return original(layers_topk_idx, input_ids)
     if not layers_topk_idx.is_nested or not input_ids.is_nested:
@@ -80,7 +91,7 @@ def align_routes(layers_topk_idx: torch.Tensor, input_ids: torch.Tensor, origina
 def replay_mask(input_ids: torch.Tensor, response_mask: torch.Tensor, original, row_map=None, native_rows=None):
     """`build_r3_replay_mask` restricted to rows with a recorded route that are not native (image) rows."""
     mask = original(input_ids, response_mask)
-    keys = _keys(row_map, native_rows)
+    keys = _keys(input_ids, row_map, native_rows)
     if keys is None:
         return mask
     masks, maps = _parts(mask), _parts(keys[ROW_MAP])

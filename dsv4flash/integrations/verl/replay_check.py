@@ -92,6 +92,6 @@ def install() -> None:
 
 def install_when_imported() -> None:
     """Install once veRL's Megatron engine is imported (a rollout-only process never imports it)."""
-    from dsv4flash.post_import import when_imported
+    from dsv4flash.patching.post_import import when_imported
 
     when_imported("verl.workers.engine.megatron.transformer_impl", install)

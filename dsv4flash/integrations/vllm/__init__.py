@@ -30,11 +30,11 @@ _lock = threading.Lock()
 
 def register(model_code: bool = False) -> dict:
     """Apply the vLLM twins (model-code twins only with `model_code` or once V4.1 code is loaded)."""
-    from dsv4flash import _patching
+    from dsv4flash.patching import twins
 
     outcomes = {}
     with _lock:
-        registry = _patching.discover()
+        registry = twins.discover()
         load_all = model_code or MODEL_CODE in sys.modules
         for twin in registry.all():
             if twin.meta.distribution != DISTRIBUTION:

@@ -2,7 +2,7 @@
 
 Stock vLLM wraps `attn.wo_a` (a `ColumnParallelLinear` tagged `is_bmm`) and the compressor's
 `fused_wkv_wgate` in generic LoRA layers, but the kernels that use them never call the wrapper, so the
-adapter silently does nothing (upstream.md §3.3, P18). These classes hold the adapter stacks in the
+adapter silently does nothing (docs/upstream.md §3.2). These classes hold the adapter stacks in the
 layout our pure-torch math expects (`dsv4flash.lora.serving`) and expose the delta; the patched call sites
 (`patches/grouped_wo_a.py`, `patches/compressor.py`) add it where the base GEMM runs.
 

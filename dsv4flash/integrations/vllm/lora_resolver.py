@@ -1,10 +1,13 @@
 """A vLLM `LoRAResolver` over the adapter catalog: `model="<policy>:<tag>"` served straight from the store.
 
 Registered by the `vllm.general_plugins` entry point (`register()` in this package) when
-`DSV4FLASH_LORA_STORE` names an adapter store (the directory `dsv4flash serve --store` or the lifecycle uses).
+`DSV4FLASH_LORA_STORE` names an adapter store (the directory or s3:// URL `dsv4flash serve --store` or the lifecycle uses).
 A vLLM OpenAI server started with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` then resolves a
-request for an unknown model name through it: the name is a catalog reference (`<policy>:<tag>`, e.g.
-`run-1:sampler_weights.step-3`, or a `tinker://<run>/<kind>/<name>` path), the revision is read from the store
+request for an unknown model name through it: a served model name of the grammar `dsv4flash.lifecycle.refs`
+gives the OpenAI routes of `dsv4flash serve` too (`<policy>:<tag>`, e.g. `run-1:sampler_weights.step-3`;
+`<policy>@<revision>`; `<policy>` for its head; a `tinker://<run>/<kind>/<name>` path), resolved by the same
+`resolve_model_name`, so one name is one revision on both servers (vLLM has no tenants: it serves the whole store).
+The revision is read from the store
 (hash-verified, refused when its base fingerprint is not the served base's), and exported once per revision in
 vLLM's packed 3-D MoE LoRA layout into the host cache directory (`DSV4FLASH_LORA_CACHE`, default
 `<store>/vllm_lora_cache`: the CPU tier vLLM loads from), atomically. The LoRA id is derived from the revision
@@ -21,23 +24,11 @@ from pathlib import Path
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolver
 
+from dsv4flash.lifecycle.refs import lora_int_id, parse_model_name, resolve_model_name
+
 log = logging.getLogger("dsv4flash.vllm")
 RESOLVER_NAME = "dsv4flash catalog"
 STORE_ENV, CACHE_ENV = "DSV4FLASH_LORA_STORE", "DSV4FLASH_LORA_CACHE"
-
-
-def catalog_ref(lora_name: str) -> str | None:
-    """`<policy>:<tag>` of a requested model name (tinker:// / mint:// paths map to their tag), else None."""
-    if lora_name.startswith(("tinker://", "mint://")):
-        from dsv4flash.service.types import ParsedCheckpointTinkerPath
-
-        try:
-            parsed = ParsedCheckpointTinkerPath.from_tinker_path(lora_name)
-        except ValueError:
-            return None
-        return f"{parsed.training_run_id}:{parsed.tag}"
-    policy, sep, tag = lora_name.partition(":")
-    return lora_name if sep and policy and tag else None
 
 
 class CatalogLoRAResolver(LoRAResolver):
@@ -45,24 +36,26 @@ class CatalogLoRAResolver(LoRAResolver):
 
     def __init__(self, store_root: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> None:
         from dsv4flash.lifecycle import AdapterStore
+        from dsv4flash.lifecycle.default_store import local_dir_for
 
-        self.store = AdapterStore(store_root)
-        self.cache_dir = Path(cache_dir) if cache_dir else Path(store_root) / "vllm_lora_cache"
+        self.store = AdapterStore(store_root)  # a directory, or an s3:// store (its exports cached on this machine)
+        self.cache_dir = Path(cache_dir) if cache_dir else local_dir_for(self.store.root) / "vllm_lora_cache"
         self._base_digests: dict[str, str | None] = {}
 
     async def resolve_lora(self, base_model_name: str, lora_name: str) -> LoRARequest | None:
         """A LoRARequest for `lora_name`, or None when it is not a catalog revision of this base."""
-        ref = catalog_ref(lora_name)
-        if ref is None:
+        try:
+            parsed = parse_model_name(lora_name)
+        except ValueError:
             return None
-        return await asyncio.to_thread(self._resolve, base_model_name, lora_name, ref)
+        return await asyncio.to_thread(self._resolve, base_model_name, lora_name, parsed)
 
-    def _resolve(self, base_model_name: str, lora_name: str, ref: str) -> LoRARequest | None:
+    def _resolve(self, base_model_name: str, lora_name: str, parsed) -> LoRARequest | None:
         from dsv4flash.lifecycle.errors import LifecycleError
 
         try:
-            rec = self.store.resolve(ref)
-        except (LifecycleError, KeyError):
+            rec = resolve_model_name(self.store.catalog, parsed)
+        except (LifecycleError, KeyError, ValueError):
             return None
         expected = self._base_digest(base_model_name)
         if expected is not None and rec.base != expected:
@@ -72,7 +65,7 @@ class CatalogLoRAResolver(LoRAResolver):
         directory = self.cache_dir / rec.id[:32]
         if not (directory / "adapter_config.json").exists():
             self._export(rec.id, directory, base_model_name)
-        return LoRARequest(lora_name=lora_name, lora_int_id=int(rec.id[:7], 16) + 1, lora_path=str(directory))
+        return LoRARequest(lora_name=lora_name, lora_int_id=lora_int_id(rec.id), lora_path=str(directory))
 
     def _export(self, rev_id: str, directory: Path, base_model_name: str) -> None:
         from dsv4flash.lifecycle.export import export_vllm_3d
@@ -114,7 +107,9 @@ def register_catalog_resolver() -> bool:
         return False
     if RESOLVER_NAME in LoRAResolverRegistry.get_supported_resolvers():
         return True
-    if not Path(root).is_dir():
-        raise ValueError(f"{STORE_ENV}={root}: not a directory (an adapter store root)")
+    from dsv4flash.lifecycle.default_store import no_store_at
+
+    if no_store_at(root) is not None:
+        raise ValueError(f"{STORE_ENV}={root}: not a directory (an adapter store root) or an s3:// store")
     LoRAResolverRegistry.register_resolver(RESOLVER_NAME, CatalogLoRAResolver(root, os.environ.get(CACHE_ENV)))
     return True

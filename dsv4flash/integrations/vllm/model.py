@@ -1,10 +1,10 @@
 """`DeepseekV41ForCausalLM` with LoRA: the vision wrapper declares `SupportsLoRA` and isolates adapters per image.
 
-vLLM 0.33 registers the V4.1 vision wrapper without `SupportsLoRA`, so `--enable-lora` is rejected (P17),
-although its language model supports LoRA. This subclass adds what the LoRA manager needs — the packed
-module names of the language model *and* of the ViT (`wqkv`, fused `w1`), the tower / connector /
-language-model prefixes, per-image token counts — and keys vision adapter state per image
-(`image_scope.ImageAdapterScope`). The plugin registers it under the same architecture name.
+vLLM 0.33 registers the V4.1 vision wrapper without `SupportsLoRA`, so `--enable-lora` is rejected (docs/upstream.md
+§3.1), although its language model supports LoRA. This subclass adds what the LoRA manager needs — the packed module
+names of the language model *and* of the ViT (`wqkv`, fused `w1`), the tower / connector / language-model prefixes,
+per-image token counts — and keys vision adapter state per image (`image_scope.ImageAdapterScope`). The plugin
+registers it under the same architecture name.
 """
 
 from __future__ import annotations

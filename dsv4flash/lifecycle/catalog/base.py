@@ -13,9 +13,10 @@ from typing import Any, Iterable, Mapping
 
 from dsv4flash.lifecycle.fingerprint import BaseFingerprint
 
-__all__ = ["Catalog", "RevisionRecord", "StateRecord", "PolicyRecord", "TagMove", "ANY_HEAD", "HEAD"]
+__all__ = ["Catalog", "RevisionRecord", "StateRecord", "PolicyRecord", "TagMove", "ANY_HEAD", "HEAD", "LATEST"]
 
 HEAD = "head"  # the reserved tag name for a policy's head pointer
+LATEST = "latest"  # the tag every training run's publish (and `dsv4flash lifecycle import`) moves to its new revision
 
 
 class _AnyHead:

@@ -28,11 +28,12 @@ from dsv4flash.lifecycle.errors import (
 )
 from dsv4flash.lifecycle.faults import crashpoint
 from dsv4flash.lifecycle.fingerprint import BaseFingerprint
+from dsv4flash.lifecycle.refs import REVISION_PATTERN, split_catalog_ref
 
 __all__ = ["SQLCatalog", "SCHEMA_VERSION"]
 
 _REV_COLS = "id, policy, parent, base, format, nbytes, n_tensors, step, created, retired, meta"
-_HEX = re.compile(r"[0-9a-f]{6,64}")
+_HEX = REVISION_PATTERN
 
 
 
@@ -288,7 +289,7 @@ class SQLCatalog(ServiceStateSQL, Catalog):
                 return self._rev(rows[0])
             if len(rows) > 1:
                 raise RevisionNotFoundError(f"revision prefix {ref!r} is ambiguous in {self.url}; give more hex digits")
-        policy, _, tag = ref.partition(":")
+        policy, tag = split_catalog_ref(ref)
         tag = tag or HEAD
         prow = self._x(cur, "SELECT head FROM policies WHERE name = ?", (policy,)).fetchone()
         if prow is None:

@@ -17,8 +17,8 @@ indexer scores, the hyper-connection collapse/expand: one small GEMM per batch e
 
 So under `invariant_modules` each Linear (LoRA wrappers included), the grouped `wo_a`, every mHC site's gates
 (its `@` and sigmoids; the Sinkhorn projection after them is row-wise and stays batched), the router's scores
-(GEMM + softplus) and each expert run per chunk; a routed expert's chunk is the rows it got from that
-adapter, exactly the rows it gets in that adapter's separate pass.
+(GEMM + softplus), each Engram layer (its `wkv` GEMM and gate) and each expert run per chunk; a routed
+expert's chunk is the rows it got from that adapter, exactly the rows it gets in that adapter's separate pass.
 """
 
 from __future__ import annotations
@@ -30,8 +30,19 @@ from torch import nn
 
 from dsv4flash.lora.adapter_batch import AdapterBatch
 from dsv4flash.model.attention import GroupedOutputProjection
+from dsv4flash.model.engram import Engram
 from dsv4flash.model.hyper_connection import HyperConnectionSite
 from dsv4flash.model.moe import Expert, Gate
+
+
+@contextmanager
+def instance_override(owner, method: str, fn):
+    """`owner.<method> = fn` for the block (an instance attribute: the class and other instances stay untouched)."""
+    setattr(owner, method, fn)
+    try:
+        yield
+    finally:
+        owner.__dict__.pop(method, None)
 
 
 def _cat(parts: list):
@@ -69,6 +80,8 @@ def _per_chunk(module: nn.Module) -> tuple[str, int] | None:
     """(method, leading per-row args) of the batch-dependent part of `module`, for the kinds that have one."""
     if isinstance(module, Expert):
         return "forward", 2  # (x, route_weight): its GEMMs and silu
+    if isinstance(module, Engram):
+        return "forward", 3  # (x, row_ids, token_mask): its `wkv` GEMM and the gate's transcendental
     if isinstance(module, HyperConnectionSite):
         return "gates", 1  # its GEMM and sigmoids; the Sinkhorn projection is row-wise and stays batched
     if isinstance(module, Gate):
@@ -79,13 +92,14 @@ def _per_chunk(module: nn.Module) -> tuple[str, int] | None:
 
 
 @contextmanager
-def invariant_modules(model: nn.Module, batch: AdapterBatch, start: int):
-    """Within the block, the batch-dependent modules of layers ≥ `start` and the head run per adapter chunk."""
-    from dsv4flash.service.compute.batched_decoder import instance_override
+def invariant_modules(model: nn.Module, batch: AdapterBatch, start: int, shared_source: bool = True):
+    """Within the block, the batch-dependent modules of layers ≥ `start` and the head run per adapter chunk.
 
+    `shared_source`: layer `start`'s compressor (the frozen KV write) runs once, on one chunk
+    (`batched_decoder._source_compressor_once`), and is left alone; False (a whole-model pass, every row its own
+    input) chunks it like the rest."""
     roots = [model.layers[i] for i in range(start, len(model.layers))] + [model.head]
-    # Layer `start`'s compressor (the frozen KV write) runs once, on one chunk (`_source_compressor_once`).
-    source = model.layers[start].attn.compressor
+    source = model.layers[start].attn.compressor if shared_source else None
     skip = {id(m) for m in source.modules()} if source is not None else set()
     with ExitStack() as stack:
         for root in roots:
@@ -95,7 +109,7 @@ def invariant_modules(model: nn.Module, batch: AdapterBatch, start: int):
                 part = _per_chunk(module)
                 if part is None:
                     continue
-                if isinstance(module, Expert):
+                if isinstance(module, (Expert, Engram)):
                     skip.update(id(m) for m in module.modules())
                 method, row_args = part
                 stack.enter_context(instance_override(module, method, chunked(module, method, batch, row_args)))

@@ -1,5 +1,6 @@
 """Decode caches of N adapters as one batch for the batched decoder: tile their decoder layers' past, split
 what the batched step records back into each adapter's own `CacheStep`.
+`concat_caches` joins whole caches of requests at the same position into one batch (the continuous batcher).
 
 Only layers ≥ decoder_start are read by a decoder half: their window KV and the kv-source segments those
 layers own. Member i's rows are chunk i of the batch (rows i·B … (i+1)·B − 1), as in `batched_decoder.tile`.
@@ -11,7 +12,7 @@ import dataclasses
 
 import torch
 
-from dsv4flash.model.cache import CacheStep, SourceSegment
+from dsv4flash.model.cache import CacheStep, DecodeCache, SourceSegment
 
 
 def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -50,3 +51,32 @@ def split_records(batched: CacheStep, steps: list[CacheStep]) -> None:
                 head = [prompt.prompt_kv, prompt.prompt_index_k]
             step.sources[layer] = SourceSegment(*head, *own)
 
+
+
+def _joined_segment(seg: SourceSegment) -> SourceSegment:
+    """The segment with its prompt and appended parts as one prompt part (the same groups, the same order)."""
+    kv, ik = seg.compress_kv(), seg.index_k()
+    return SourceSegment(kv, ik, kv[:, :0], ik[:, :0], seg.pending)
+
+
+def concat_caches(caches: list[DecodeCache]) -> DecodeCache:
+    """The caches of several requests as one batch (rows in order); all must be at the same length.
+
+    Requests whose prompts differed in length split the same groups differently between a segment's prompt and
+    appended parts; those segments are joined first (attention reads the two parts concatenated anyway)."""
+    if len(caches) == 1:
+        return caches[0]
+    lengths = {c.length for c in caches}
+    if len(lengths) != 1:
+        raise ValueError(f"concat_caches: the caches differ in length ({sorted(lengths)})")
+    first = caches[0]
+    window = tuple(None if first.window[l] is None else torch.cat([c.window[l] for c in caches], dim=0)
+                   for l in range(len(first.window)))
+    sources = {}
+    for layer in first.sources:
+        segs = [c.sources[layer] for c in caches]
+        if len({s.prompt_kv.shape[1] for s in segs}) > 1:
+            segs = [_joined_segment(s) for s in segs]
+        sources[layer] = SourceSegment(*(torch.cat(parts, dim=0) for parts in zip(*(s.tensors() for s in segs))))
+    return DecodeCache(first.length, window, sources, torch.cat([c.ngram_ids for c in caches], dim=0),
+                       torch.cat([c.ngram_types for c in caches], dim=0), first.ngram_keep)

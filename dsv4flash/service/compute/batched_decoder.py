@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import torch
 
 from dsv4flash.lora.adapter_batch import AdapterBatch, adapter_batch
 from dsv4flash.model.block import TokenContext
 from dsv4flash.model.state import CSA2State
-from dsv4flash.service.compute.batch_invariant import invariant_modules
+from dsv4flash.service.compute.batch_invariant import instance_override, invariant_modules
 from dsv4flash.service.compute.batched_cache import split_records, tiled_step
 
 
@@ -43,16 +43,6 @@ def tile_context(context: TokenContext, n: int) -> TokenContext:
                         engram_row_ids=tuple(tile(r, n) for r in context.engram_row_ids))
 
 
-@contextmanager
-def instance_override(owner, method: str, fn):
-    """`owner.<method> = fn` for the block (an instance attribute: the class and other instances stay untouched)."""
-    setattr(owner, method, fn)
-    try:
-        yield
-    finally:
-        owner.__dict__.pop(method, None)
-
-
 def _source_compressor_once(compressor, n: int, stats: Counter):
     """Layer decoder_start's compressor: identical chunks (frozen KV write) are compressed once and tiled."""
 
@@ -66,8 +56,11 @@ def _source_compressor_once(compressor, n: int, stats: Counter):
     return forward
 
 
-def _routed_by_chunk(moe, batch: AdapterBatch, chunk_tokens: int):
-    """MoE forward over n chunks of `chunk_tokens` tokens: one base matmul per expert, deltas per chunk."""
+def routed_by_chunk(moe, batch: AdapterBatch, chunk_tokens: int | list[int]):
+    """MoE forward over the batch's chunks (`chunk_tokens` tokens each, or a list of each chunk's token count):
+    one base matmul per expert, each chunk's rows of it with that chunk's adapter delta. The same ops in the
+    same order as `MoE.forward` per token."""
+    ends = None if isinstance(chunk_tokens, int) else torch.tensor(chunk_tokens).cumsum(0)
 
     def forward(x, image_mask=None):  # x [n·B, S, D]
         shape = x.shape
@@ -77,7 +70,8 @@ def _routed_by_chunk(moe, batch: AdapterBatch, chunk_tokens: int):
         out = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device)
         for expert_id in torch.unique(idx).tolist():
             token_ids, slot = torch.nonzero(idx == expert_id, as_tuple=True)  # sorted by token: chunks in order
-            counts = torch.bincount(token_ids // chunk_tokens, minlength=batch.size).tolist()
+            chunk = token_ids // chunk_tokens if ends is None else torch.bucketize(token_ids, ends, right=True)
+            counts = torch.bincount(chunk, minlength=batch.size).tolist()
             with batch.rows(counts):
                 routed = moe.experts[expert_id](tokens[token_ids], weights[token_ids, slot].unsqueeze(-1))
             out.index_add_(0, token_ids, routed.float())
@@ -110,7 +104,7 @@ def batched_decoder_logits(model, slots, adapters, encoded, stats: Counter, inva
         if compressor is not None:
             stack.enter_context(instance_override(compressor, "forward", _source_compressor_once(compressor, n, stats)))
         for block in model.layers[start:]:
-            stack.enter_context(instance_override(block.ffn, "forward", _routed_by_chunk(block.ffn, batch, chunk_tokens)))
+            stack.enter_context(instance_override(block.ffn, "forward", routed_by_chunk(block.ffn, batch, chunk_tokens)))
         tiled_context, batched_step = tile_context(context, n), None
         if steps is not None:
             batched_step = tiled_step(steps, start)

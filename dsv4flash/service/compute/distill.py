@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dsv4flash.service.calls import CallStopped
 from dsv4flash.service.futures import APIFuture
 from dsv4flash.service.types import TensorData
 
@@ -46,6 +47,7 @@ def forward_backward_reverse_kl(training_client, data: list[ReverseKLDatum], ref
         raise ValueError("forward_backward_reverse_kl: empty data list")
     if not temperature > 0:
         raise ValueError(f"forward_backward_reverse_kl: temperature must be > 0, got {temperature}")
+    context = training_client.service.base.cfg.text.max_position_embeddings
     for i, d in enumerate(data):
         t = len(d.target_tokens)
         if t == 0 or len(d.weights) != t:
@@ -54,11 +56,16 @@ def forward_backward_reverse_kl(training_client, data: list[ReverseKLDatum], ref
             if len(getattr(d, name)) < t:
                 raise ValueError(f"datum {i}: {name} has {len(getattr(d, name))} tokens, fewer than the {t} "
                                  f"target positions")
+            if len(getattr(d, name)) > context:
+                raise ValueError(f"datum {i}: {name} has {len(getattr(d, name))} tokens, more than the model's "
+                                 f"context of {context} tokens")
     return training_client.run_ordered(_run, list(data), reference_path, float(temperature))
 
 
 def _last_logprobs(model, ids: list[int], t: int, temperature: float) -> torch.Tensor:
-    logits = model(torch.tensor([ids]))[0, -t:]  # [T,V]
+    from dsv4flash.engine.device import on_device
+
+    logits = on_device(model, model.head.weight.device)(torch.tensor([ids]))[0, -t:]  # [T,V] on the CPU
     return F.log_softmax(logits.float() / temperature, dim=-1)
 
 
@@ -68,14 +75,22 @@ def _run(tc, data: list[ReverseKLDatum], reference_path: str, temperature: float
     with service.base.bind(ref_placement, ref_tensors) as ref, torch.no_grad():
         ref_lp = [_last_logprobs(ref, d.reference_input, len(d.target_tokens), temperature) for d in data]  # [T,V]
     losses, total, weight = [], 0.0, 0.0
-    with service.base.bind(tc.placement, tc.adapter) as student, torch.enable_grad():
-        for d, r in zip(data, ref_lp):
-            s = _last_logprobs(student, d.student_input, len(d.target_tokens), temperature)  # [T,V]
-            kl = (s.exp() * (s - r)).sum(-1)  # [T]
-            w = torch.tensor(d.weights, dtype=kl.dtype)
-            loss = (w * kl).sum()
-            loss.backward()
-            losses.append(TensorData.from_torch((w * kl).detach()))
-            total += float(loss.detach())
-            weight += float(w.sum())
+    # each datum's backward adds into the adapter's gradients: a call stopped after some of them (cancel, deadline)
+    # puts the gradients back as they were, so a stopped call changes nothing
+    grads = {k: None if p.grad is None else p.grad.clone() for k, p in tc.adapter.items()}
+    try:
+        with service.base.bind(tc.placement, tc.adapter) as student, torch.enable_grad():
+            for d, r in zip(data, ref_lp):
+                s = _last_logprobs(student, d.student_input, len(d.target_tokens), temperature)  # [T,V]
+                kl = (s.exp() * (s - r)).sum(-1)  # [T]
+                w = torch.tensor(d.weights, dtype=kl.dtype)
+                loss = (w * kl).sum()
+                loss.backward()
+                losses.append(TensorData.from_torch((w * kl).detach()))
+                total += float(loss.detach())
+                weight += float(w.sum())
+    except CallStopped:
+        for k, p in tc.adapter.items():
+            p.grad = grads[k]
+        raise
     return ReverseKLOutput(losses, {"loss:sum": total, "reverse_kl:mean": total / weight if weight else 0.0})

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4flash.service.compute.resident import placement_key
-from dsv4flash.service.types import ParsedCheckpointTinkerPath
+from dsv4flash.lifecycle.refs import ParsedCheckpointTinkerPath
+from dsv4flash.engine.resident import placement_key
 
 
 def interpolate_checkpoints(service, sources: list[str], coefficients: list[float], run_id: str, name: str) -> str:

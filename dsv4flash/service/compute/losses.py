@@ -69,6 +69,14 @@ def check_datum(index: int, datum, vocab_size: int, keys=None) -> None:
                              f"expected a finite number")
 
 
+def check_context(data, context: int) -> None:
+    """Raise naming the datum when its model input is longer than the model's `context` (in tokens)."""
+    for i, d in enumerate(data):
+        n = d.model_input.length
+        if n > context:
+            raise ValueError(f"data[{i}].model_input: {n} tokens, more than the model's context of {context} tokens")
+
+
 def datum_loss(loss_fn: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict | None,
                provenance=None) -> torch.Tensor:
     """logp [L] (log p of each target) -> scalar loss of one datum (`provenance`: stable_reinforce's records)."""

@@ -2,41 +2,43 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import uuid
 
 import torch
-import torch.nn.functional as F
 
+from dsv4flash.engine.sampling import Decoding, Sampling, StepTokens, generate, next_token_logprobs
+from dsv4flash.model.image import TEXT
+from dsv4flash.service import calls
 from dsv4flash.service.compute.stability import LOCAL_OWNER
 from dsv4flash.service.futures import APIFuture, OrderedExecutor
-from dsv4flash.service.types import ModelInput, SampledSequence, SampleResponse, SamplingParams, check_token_ids
+from dsv4flash.service.types import (ModelInput, SampleResponse, SamplingParams, check_sampling_params, check_token_ids,
+                                     sample_response, sampled_sequence)
 
 _ids = itertools.count()
 
 
-def check_sample_request(ids: list[int], num_samples: int, params: SamplingParams, vocab_size: int) -> None:
-    """Raise naming the field or prompt position when a sample request is malformed."""
+DEFAULT_MAX_TOKENS = 16  # SamplingParams.max_tokens=None
+
+
+def check_sample_request(ids: list[int], num_samples: int, params: SamplingParams, vocab_size: int,
+                         context: int) -> None:
+    """Raise naming the field or prompt position when a sample request is malformed or does not fit the model's
+    `context` (prompt plus max_tokens)."""
     if not ids:
         raise ValueError("sample: empty prompt")
     check_token_ids(ids, vocab_size, "sample: prompt")
     if num_samples < 1:
         raise ValueError(f"sample: num_samples must be ≥ 1, got {num_samples}")
-    params.check()
-
-
-def process_logits(last: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[R,V] logits -> [R,V] log-probs of the sampling distribution (temperature, top-k, top-p applied)."""
-    logits = last.float() / max(params.temperature, 1e-8)
-    if params.top_k and params.top_k > 0:
-        kth = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest prefix reaching top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return F.log_softmax(logits, dim=-1)
+    check_sampling_params(params)
+    max_tokens = params.max_tokens if params.max_tokens is not None else DEFAULT_MAX_TOKENS
+    if max_tokens > context:
+        raise ValueError(f"SamplingParams.max_tokens: {max_tokens} is more than the model's context of {context} "
+                         f"tokens")
+    if len(ids) + max_tokens > context:
+        raise ValueError(f"prompt: {len(ids)} tokens + max_tokens {max_tokens} = {len(ids) + max_tokens}, more than "
+                         f"the model's context of {context} tokens (shorten the prompt or lower max_tokens)")
 
 
 class SamplingClient:
@@ -44,18 +46,25 @@ class SamplingClient:
 
     `sample` prefills the prompt once and decodes every further token with the model's CSA2 cache
     (`use_cache = False` recomputes the whole sequence per token instead: the same tokens and log-probs).
+
+    On a service with a serving path (`service.serving`, what `dsv4flash serve` sets up) a call runs on the
+    serving threads instead of this client's own (calls of one client run concurrently there), a client made
+    for a stored `revision` takes its adapter from the tiers for each call (a lease on a device slot), and the
+    tokens come from the continuous batcher: the same tokens as alone (`compute/batcher.py`).
     """
 
     use_cache = True
 
-    def __init__(self, service, placement, adapter: dict[str, torch.Tensor] | None, name: str) -> None:
+    def __init__(self, service, placement, adapter: dict[str, torch.Tensor] | None, name: str,
+                 revision: str | None = None) -> None:
         self.service, self.placement, self.adapter, self.name = service, placement, adapter, name
+        self.revision = revision  # a stored revision served through the tiers (adapter None until a call holds it)
         self._exec = OrderedExecutor(f"sampler-{name}-{next(_ids)}")
         self._calls = 0
 
-    def schedule_with(self, scheduler, policy: str) -> None:
-        """Run each of this client's calls as one rollout turn of `scheduler` (a `PhaseScheduler`)."""
-        self._exec.gate = lambda fn: scheduler.turn(policy, "rollout")
+    def schedule_with(self, scheduler, policy: str, tenant: str = "") -> None:
+        """Run each of this client's calls as one rollout turn of `scheduler` (a `PhaseScheduler`) for `tenant`."""
+        self._exec.gate = lambda fn: scheduler.turn(policy, "rollout", tenant)
 
     def get_base_model(self) -> str:
         """The base this client samples from."""
@@ -70,13 +79,17 @@ class SamplingClient:
     def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParams,
                include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, *,
                topk_sample_logprobs: int = 0, record_stability_info: bool | None = None,
-               sequence_ids: list[str] | None = None, owner: str = LOCAL_OWNER) -> APIFuture:
+               sequence_ids: list[str] | None = None, owner: str = LOCAL_OWNER,
+               on_tokens: StepTokens | None = None) -> APIFuture:
         """`num_samples` continuations of `prompt` -> SampleResponse (logprobs under the sampling distribution).
 
         Each sequence gets a `sequence_id` (`sequence_ids`, else fresh ones) and is recorded for `owner`, so
         provenance spans can name it; `stable_reinforce` trains only on those sampled with `record_stability_info`.
         `topk_sample_logprobs` k adds each sampled position's k most likely tokens of the sampling distribution;
-        `topk_prompt_logprobs` k each prompt position's k most likely tokens of the model.
+        `topk_prompt_logprobs` k each prompt position's k most likely tokens of the model. `on_tokens(samples,
+        tokens, logprobs, top)` is called on the decoding thread after each decode step with the samples that drew
+        a token, those tokens, their log-probs and top lists (`engine.sampling.Decoding`'s `after_step`: streamed
+        answers, from the batcher too); it must return quickly.
         """
         for name, k in (("topk_prompt_logprobs", topk_prompt_logprobs), ("topk_sample_logprobs", topk_sample_logprobs)):
             if int(k) < 0:
@@ -88,10 +101,11 @@ class SamplingClient:
         if len(sequence_ids) != n:
             raise ValueError(f"sample: {len(sequence_ids)} sequence ids for {n} samples")
         record = self.record_stability_info if record_stability_info is None else bool(record_stability_info)
-        return self._exec.submit(self._sample, prompt.to_ints(), n, sampling_params,
-                                 self.next_seed(sampling_params), include_prompt_logprobs, None,
-                                 int(topk_sample_logprobs), list(sequence_ids), owner, record,
-                                 int(topk_prompt_logprobs))
+        serving = getattr(self.service, "serving", None)
+        submit = serving.submit if serving is not None and self.use_cache else self._exec.submit
+        return submit(self._sample, prompt.to_ints(), n, sampling_params, self.next_seed(sampling_params),
+                      include_prompt_logprobs, None, int(topk_sample_logprobs), list(sequence_ids), owner, record,
+                      int(topk_prompt_logprobs), on_tokens)
 
     def next_seed(self, sampling_params: SamplingParams) -> int:
         """The seed of this client's next `sample` call (the params' seed, else one per client and call)."""
@@ -113,19 +127,38 @@ class SamplingClient:
         return self.compute_logprobs(*args, **kwargs)
 
     # ---- work ----
+    @contextlib.contextmanager
+    def _held(self):
+        """(placement, adapter tensors or None, LoadFigure or None) for one call: the client's own, or a lease
+        on the tiers' device slot of its revision for the duration of the block."""
+        if self.revision is None:
+            yield self.placement, self.adapter, None
+            return
+        with self.service.serving.adapter(self.revision) as (placement, tensors, figure):
+            yield placement, tensors, figure
+
+    @contextlib.contextmanager
     def _model(self):
+        """The bound shell (or the bare base) for CPU tensors in and out, wherever the base computes."""
+        from dsv4flash.engine.device import on_device
+
         base = self.service.base
-        return base.bind(self.placement, self.adapter) if self.adapter is not None else _plain(base)
+        with self._held() as (placement, adapter, _):
+            with base.bind(placement, adapter) if adapter is not None else base.bare() as model:
+                yield on_device(model, base.device)
 
     def _prompt_logprobs(self, ids: list[int], topk: int = 0):
         """log p(token_t | tokens_<t) per prompt token (None first); with `topk` also each position's k most
         likely (token, log-prob) of the model's distribution (None first) -> (logprobs, topk rows)."""
         if not ids:
             raise ValueError("compute_logprobs: empty prompt")
-        check_token_ids(ids, self.service.base.cfg.text.vocab_size, "compute_logprobs: prompt")
+        text = self.service.base.cfg.text
+        check_token_ids(ids, text.vocab_size, "compute_logprobs: prompt")
+        if len(ids) > text.max_position_embeddings:  # a longer prompt runs until allocation fails
+            raise ValueError(f"compute_logprobs: prompt: {len(ids)} tokens, more than the model's context of "
+                             f"{text.max_position_embeddings} tokens")
         with self._model() as model, torch.no_grad():
-            logits = model(torch.tensor([ids]))  # [1,L,V]
-        logp = F.log_softmax(logits[0, :-1].float(), -1)  # [L-1,V]: position t predicts token t+1
+            logp = next_token_logprobs(model, torch.tensor(ids))[:-1]  # [L-1,V]: position t predicts token t+1
         lp = logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
         if not topk:
             return [None] + lp.tolist()
@@ -135,58 +168,56 @@ class SamplingClient:
 
     def _sample(self, ids: list[int], n: int, params: SamplingParams, seed: int, prompt_lp: bool,
                 prefill=None, topk: int = 0, sequence_ids: list[str] | None = None,
-                record_for: str | None = None, stability: bool = False, topk_prompt: int = 0) -> SampleResponse:
+                record_for: str | None = None, stability: bool = False, topk_prompt: int = 0,
+                on_tokens: StepTokens | None = None) -> SampleResponse:
         """prefill: a future of this client's prompt prefill computed elsewhere (shared encoder): the last
         position's logits [1, V] and the prompt's DecodeCache."""
-        check_sample_request(ids, n, params, self.service.base.cfg.text.vocab_size)
+        text = self.service.base.cfg.text
+        check_sample_request(ids, n, params, text.vocab_size, text.max_position_embeddings)
         stops = self.service.stop_sequences(params.stop)
-        max_tokens = params.max_tokens if params.max_tokens is not None else 16
-        gen = torch.Generator().manual_seed(seed)
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(n)]
-        reasons = ["length"] * n
-        live = list(range(n))
+        max_tokens = params.max_tokens if params.max_tokens is not None else DEFAULT_MAX_TOKENS
+        row = (torch.tensor(ids), torch.full((len(ids),), TEXT), [])  # every sample starts from the prompt
+        sampling = Sampling(params.temperature, params.top_k, params.top_p, processed_greedy=True)
         first = prefill.result() if prefill is not None else None  # before taking the base: the prefill needs it
-        with self._model() as model, torch.no_grad():
-            cache = None
-            for step in range(max_tokens):
-                if not live:
-                    break
-                if step == 0 and (first is not None or self.use_cache):
-                    last, cache = first if first is not None else _prompt_prefill(model, ids)  # [1,V]
-                    last = last.expand(n, -1)  # every sample starts from the prompt
-                    cache = cache.select([0] * n) if self.use_cache else None
-                elif cache is not None:
-                    last, cache = model.decode(cache, torch.tensor([tokens[r][-1] for r in live]))  # [R,V]
-                else:
-                    rows = torch.stack([torch.tensor(ids + tokens[r]) for r in live])  # [R, L+t]
-                    last = model(rows)[:, -1]
-                logp = process_logits(last, params)  # [R,V]
-                if params.temperature > 0:
-                    tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
-                else:
-                    tok = logp.argmax(-1)
-                if topk:
-                    top = logp.topk(min(topk, logp.shape[-1]), dim=-1)  # [R,k] of the sampling distribution
-                still, kept = [], []
-                for j, r in enumerate(live):
-                    t = int(tok[j])
-                    tokens[r].append(t)
-                    logps[r].append(float(logp[j, t]))
-                    if topk:  # tokens the sampling distribution excludes (-inf) are not reported
-                        tops[r].append([(int(i), float(v)) for i, v in zip(top.indices[j], top.values[j])
-                                        if v > float("-inf")])
-                    if any(tuple(tokens[r][-len(q):]) == q for q in stops):
-                        reasons[r] = "stop"
-                    else:
-                        still.append(r)
-                        kept.append(j)
-                if cache is not None and still and len(still) < len(live):
-                    cache = cache.select(kept)  # stopped rows leave the batch
-                live = still
+        serving = getattr(self.service, "serving", None)
+        figure = None
+        if serving is not None and self.use_cache:
+            from dsv4flash.service.compute.batcher import Entry
+
+            with self._held() as (placement, adapter, figure):
+                state = Decoding([row] * n, max_new_tokens=max_tokens, eos_id=None,
+                                 pad_id=self.service.base.cfg.pad_token_id, sampling=sampling,
+                                 generator=torch.Generator().manual_seed(seed), stop=stops, topk=topk,
+                                 share_prefixes=False, after_step=on_tokens)
+                entry = Entry(placement, adapter) if adapter is not None else Entry()
+                out = serving.batcher.run(entry, row, state, token=calls.current(), tenant=record_for or "",
+                                          prefilled=None if first is None else _Ready(first))
+            return self._response(ids, n, out, sequence_ids, record_for, stability, topk_prompt, prompt_lp, figure)
+        with contextlib.ExitStack() as bound:
+            def between_steps(step: int):
+                calls.check()  # cancelled or past its deadline: stop before the next token
+                if step and calls.owed():  # another tenant's turn: unbind, wait, rebind (the cache is ours)
+                    bound.close()
+                    calls.hand_over()
+                    return bound.enter_context(self._model())
+                return None
+
+            out = generate(bound.enter_context(self._model()), [row] * n, max_new_tokens=max_tokens, eos_id=None,
+                           pad_id=self.service.base.cfg.pad_token_id, sampling=sampling,
+                           generator=torch.Generator().manual_seed(seed), use_cache=self.use_cache, stop=stops,
+                           topk=topk, share_prefixes=False, prefilled=first, before_step=between_steps,
+                           after_step=on_tokens)
+        return self._response(ids, n, out, sequence_ids, record_for, stability, topk_prompt, prompt_lp, figure)
+
+    def _response(self, ids, n, out, sequence_ids, record_for, stability, topk_prompt, prompt_lp,
+                  figure) -> SampleResponse:
+        """The SampleResponse of a finished rollout (sequences recorded for `record_for`, prompt log-probs)."""
+        tokens = [out.response(r) for r in range(n)]
+        logps = [out.response_logprobs(r) for r in range(n)]
+        reasons = ["stop" if bool(out.stopped[r]) else "length" for r in range(n)]
+        tops = out.top or [None] * n
         sequence_ids = sequence_ids or [None] * n
-        seqs_out = [SampledSequence(reasons[r], tokens[r], logps[r], sequence_ids[r], tops[r] if topk else None)
+        seqs_out = [sampled_sequence(reasons[r], tokens[r], logps[r], sequence_ids[r], tops[r])
                     for r in range(n)]
         if record_for is not None:
             prompt = tuple(ids)  # tuple(tuple) is the same object: one copy for all n records
@@ -194,25 +225,18 @@ class SamplingClient:
                 self.service.sequences.record(record_for, seq.sequence_id, prompt, seq.tokens, seq.logprobs, stability)
         if topk_prompt:
             prompt_scores, prompt_top = self._prompt_logprobs(ids, topk_prompt)
-            return SampleResponse(seqs_out, prompt_scores if prompt_lp else None, topk_prompt_logprobs=prompt_top)
-        return SampleResponse(seqs_out, self._prompt_logprobs(ids) if prompt_lp else None)
+        else:
+            prompt_scores, prompt_top = (self._prompt_logprobs(ids) if prompt_lp else None), None
+        return sample_response(seqs_out, prompt_scores if prompt_lp else None, topk_prompt_logprobs=prompt_top,
+                               load=None if figure is None else figure.as_dict())
 
 
-def _prompt_prefill(model, ids: list[int]):
-    """The prompt's last-position logits [1, V] and its DecodeCache."""
-    logits, cache = model.prefill(torch.tensor([ids]))
-    return logits[:, -1], cache
+class _Ready:
+    """A computed value behind a future's `result()` (a shared prefill handed to the batcher)."""
 
+    def __init__(self, value) -> None:
+        self.value = value
 
-class _plain:
-    """Context manager holding the resident base lock around the bare base model."""
-
-    def __init__(self, base) -> None:
-        self.base = base
-
-    def __enter__(self):
-        self.base.lock.acquire()
-        return self.base.model
-
-    def __exit__(self, *exc) -> None:
-        self.base.lock.release()
+    def result(self, timeout: float | None = None):
+        """The value."""
+        return self.value

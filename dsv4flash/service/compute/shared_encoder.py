@@ -29,14 +29,19 @@ from dsv4flash.lora.layers import is_lora_module
 from dsv4flash.model.cache import CacheStep, DecodeCache
 from dsv4flash.model.decode import empty_cache
 from dsv4flash.model.state import CSA2State
-from dsv4flash.service.compute.batched_decoder import batched_decoder_logits, instance_override
-from dsv4flash.service.compute.resident import placement_key
+from dsv4flash.service.compute.batch_invariant import instance_override
+from dsv4flash.engine.device import on_device
+from dsv4flash.service.compute.batched_decoder import batched_decoder_logits
+from dsv4flash.engine.resident import placement_key
 
 
 def sharing_refusal(resident, placement) -> str | None:
     """Why `placement` cannot share the encoder (None if it can)."""
     from dsv4flash.lora import get_handle
 
+    if resident.device.type != "cpu":
+        return (f"the resident base computes on {resident.device}: the shared encoder pass runs on the CPU only "
+                "(each adapter prefills on its own)")
     start = resident.cfg.decoder_start
     handle = get_handle(resident.shell(placement))
     early = [l for l in handle.layers() if l < start]
@@ -208,10 +213,10 @@ def multi_adapter_logits(resident, input_ids: torch.Tensor, adapters: list[tuple
                     result.logits[i] = decoder_half(model, enc, step, memo, stats)  # [B,S,V]
                     if step is not None:
                         result.caches[i] = step.finish(input_ids, torch.full_like(input_ids, -1))
-                elif caches:
-                    result.logits[i], result.caches[i] = model.prefill(input_ids)
+                elif caches:  # refused: the adapter's own prefill, wherever the base computes (CPU tensors out)
+                    result.logits[i], result.caches[i] = on_device(model, resident.device).prefill(input_ids)
                 else:
-                    result.logits[i] = model(input_ids)
+                    result.logits[i] = on_device(model, resident.device)(input_ids)
     if caches and len(result.shared) > 1 and start in resident.model.cfg.text.kv_source_layer_ids:
         shared = _share_source_segments([result.caches[i] for i in result.shared], start)
         for i, cache in zip(result.shared, shared):

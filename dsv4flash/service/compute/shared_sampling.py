@@ -54,7 +54,8 @@ def sample_shared(clients: list, prompt: ModelInput, num_samples: int, sampling_
     if any(c.service.base is not service.base for c in clients):
         raise ValueError("sample_shared: every client must sample from the same resident base")
     ids = prompt.to_ints()
-    check_sample_request(ids, int(num_samples), sampling_params, service.base.cfg.text.vocab_size)
+    text = service.base.cfg.text
+    check_sample_request(ids, int(num_samples), sampling_params, text.vocab_size, text.max_position_embeddings)
     out = SharedSampling([])
     for i, c in enumerate(clients):
         reason = ("no adapter: the bare base runs its own prefill" if c.adapter is None

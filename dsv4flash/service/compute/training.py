@@ -10,12 +10,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dsv4flash.service import calls
 from dsv4flash.service.compute import losses
 from dsv4flash.service.compute.stability import LOCAL_OWNER
+from dsv4flash.service.plane.checkpoints import check_ttl
 from dsv4flash.service.futures import APIFuture, OrderedExecutor
-from dsv4flash.service.types import (AdamParams, Datum, ForwardBackwardOutput, GetInfoResponse, LoadWeightsResponse,
-                                     ModelData, OptimStepResponse, ParsedCheckpointTinkerPath, SaveWeightsForSamplerResponse,
-                                     SaveWeightsResponse, TensorData)
+from dsv4flash.service.types import (AdamParams, Datum, ForwardBackwardOutput, ParsedCheckpointTinkerPath, TensorData,
+                                     check_adam_params)
+
+
+def _tinker_types():
+    """`tinker.types`, imported on first use: the responses are the SDK's own, and importing the service (as the
+    veRL rollout backend does for its sampling) must not need the SDK."""
+    from tinker import types
+
+    return types
 
 
 class NonFiniteError(ValueError):
@@ -37,9 +46,14 @@ def target_logprobs(model, data: list[Datum]) -> list[torch.Tensor]:
         ids[i, : len(r)], tgt[i, : len(r)] = torch.tensor(r), t
     from dsv4flash.lora import forward_with_early_stop
 
+    device = model.head.weight.device  # where the resident base computes (dsv4flash/engine/device.py)
+    if device.type != "cpu":
+        ids, tgt = ids.to(device), tgt.to(device)
     # Frozen prefix (e.g. decoder_half's encoder) runs without autograd; same logits as model(ids).
     logits = forward_with_early_stop(model, ids) if torch.is_grad_enabled() else model(ids)  # [B,W,V] fp32
     logp = F.log_softmax(logits, dim=-1).gather(-1, tgt[..., None]).squeeze(-1)  # [B,W]
+    if device.type != "cpu":
+        logp = logp.cpu()  # the losses' inputs came with the request: on the CPU (autograd flows back through)
     return [logp[i, : len(r)] for i, r in enumerate(rows)]
 
 
@@ -71,6 +85,7 @@ class TrainingClient:
         if not data:
             raise ValueError("forward_backward: empty data list")
         losses.check_config(loss_fn, loss_fn_config)
+        self.check_context(data)
         vocab = self.service.base.cfg.text.vocab_size
         for i, d in enumerate(data):
             losses.check_inputs(loss_fn, i, d.loss_fn_inputs)
@@ -82,11 +97,17 @@ class TrainingClient:
     def check_options_and_provenance(self, data: list[Datum], loss_fn: str, loss_fn_config: dict | None,
                                      owner: str = LOCAL_OWNER) -> None:
         """The request-time part of `check_request` (what a server answers 400 to before queueing): unknown
-        `loss_fn_config` options, and provenance spans naming unknown, other owners' or mismatched sequences."""
+        `loss_fn_config` options, data longer than the model's context, and provenance spans naming unknown, other
+        owners' or mismatched sequences."""
         losses.check_config(loss_fn, loss_fn_config)
+        self.check_context(data)
         for i, d in enumerate(data):
             if "target_tokens" in d.loss_fn_inputs:
                 self.service.sequences.resolve(owner, i, d, loss_fn == "stable_reinforce")
+
+    def check_context(self, data: list[Datum]) -> None:
+        """Raise naming the datum whose model input is longer than the model's context."""
+        losses.check_context(data, self.service.base.cfg.text.max_position_embeddings)
 
     def forward_backward_custom(self, data: list[Datum], loss_fn) -> APIFuture:
         """Any differentiable loss: `loss_fn(data, logprobs_list) -> (scalar loss, metrics)`; gradients accumulate."""
@@ -101,11 +122,18 @@ class TrainingClient:
 
     def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False) -> APIFuture:
         """Weights + optimizer state -> `tinker://<run>/weights/<name>` (an existing name returns its path)."""
+        check_ttl(ttl_seconds)  # now, not after the publish: a bad expiry must not leave a saved checkpoint behind
         return self._exec.submit(self._save, name, "weights", overwrite, ttl_seconds)
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None) -> APIFuture:
         """Adapter weights -> `tinker://<run>/sampler_weights/<name>`."""
+        check_ttl(ttl_seconds)
         return self._exec.submit(self._save, name, "sampler_weights", False, ttl_seconds)
+
+    def save_weights_external(self, name: str, ttl_seconds: int | None = None) -> APIFuture:
+        """Adapter weights -> `tinker://<run>/external_weights/<name>`, whose files download as a PEFT adapter."""
+        check_ttl(ttl_seconds)
+        return self._exec.submit(self._save, name, "external_weights", False, ttl_seconds)
 
     def load_state(self, path: str) -> APIFuture:
         """Load weights only (optimizer moments start fresh)."""
@@ -124,12 +152,14 @@ class TrainingClient:
         client.record_stability_info = bool(record_stability_info)
         return client
 
-    def schedule_with(self, scheduler, policy: str) -> None:
+    def schedule_with(self, scheduler, policy: str, tenant: str = "") -> None:
         """Run each compute call of this client as one update turn of `scheduler` (a `PhaseScheduler`; how
-        `dsv4flash serve` shares the base). Snapshots and saves take no turn: they copy or write this run's own
-        adapter and never touch the base, so another policy's compute may run meanwhile."""
+        `dsv4flash serve` shares the base; `tenant`: whose call it is, for fairness). Snapshots and saves take no
+        turn: they copy or write this run's own adapter and never touch the base, so another policy's compute may
+        run meanwhile."""
         off_base = (self._snapshot_sampler, self._save)
-        self._exec.gate = lambda fn: contextlib.nullcontext() if fn in off_base else scheduler.turn(policy, "update")
+        self._exec.gate = lambda fn: (contextlib.nullcontext() if fn in off_base
+                                      else scheduler.turn(policy, "update", tenant))
 
     def run_ordered(self, fn, *args) -> APIFuture:
         """`fn(self, *args)` on this client's worker, in submission order with its other calls (extensions)."""
@@ -143,10 +173,12 @@ class TrainingClient:
         """A SamplingClient on saved sampler (or training) weights."""
         return self.service.create_sampling_client(model_path=model_path, record_stability_info=record_stability_info)
 
-    def get_info(self) -> GetInfoResponse:
-        """Run id and what it is built on."""
-        return GetInfoResponse(self.run_id, ModelData(self.service.base.base_model, self.placement.rank,
-                                                      self.placement.preset))
+    def get_info(self):
+        """Run id and what it is built on (`tinker.types.GetInfoResponse`; the placement is `self.placement`)."""
+        t, base = _tinker_types(), self.service.base
+        return t.GetInfoResponse(type="get_info", model_id=self.run_id, is_lora=True,
+                                 lora_rank=int(self.placement.rank), model_name=base.base_model,
+                                 model_data=t.ModelData(arch=str(base.cfg.model_type), model_name=base.base_model))
 
     def get_tokenizer(self):
         """The base model's tokenizer."""
@@ -177,6 +209,10 @@ class TrainingClient:
         """Async twin of `save_weights_for_sampler`."""
         return self.save_weights_for_sampler(*args, **kwargs)
 
+    async def save_weights_external_async(self, *args, **kwargs) -> APIFuture:
+        """Async twin of `save_weights_external`."""
+        return self.save_weights_external(*args, **kwargs)
+
     # ---- work (on this client's worker thread) ----
     def _snapshot_sampler(self):
         snapshot = {k: p.detach().clone() for k, p in self.adapter.items()}
@@ -203,6 +239,7 @@ class TrainingClient:
         # does a forward, then a second forward_backward with the loss's gradient w.r.t. the log-probs).
         if not data:
             raise ValueError("forward_backward_custom: empty data list")
+        self.check_context(data)
         vocab = self.service.base.cfg.text.vocab_size
         for i, d in enumerate(data):
             if "target_tokens" not in d.loss_fn_inputs:
@@ -223,6 +260,7 @@ class TrainingClient:
 
     def _accumulate_gradients(self, loss: torch.Tensor, what: str) -> None:
         """Add d loss / d adapter to the accumulated gradients, or refuse (nothing added) if any is non-finite."""
+        calls.check()  # the last point where stopping the call leaves the run unchanged
         if not torch.isfinite(loss):
             raise NonFiniteError(f"{what}: the loss is {float(loss.detach())}; refused, gradients and adapter "
                                  f"unchanged")
@@ -237,8 +275,8 @@ class TrainingClient:
                 param = self.adapter[name]
                 param.grad = grad if param.grad is None else param.grad.add_(grad)
 
-    def _optim_step(self, hp: AdamParams) -> OptimStepResponse:
-        hp.check()
+    def _optim_step(self, hp: AdamParams):
+        check_adam_params(hp)
         params = list(self.adapter.values())
         before = {k: p.detach().clone() for k, p in self.adapter.items()}
         previous = self.optimizer
@@ -264,17 +302,20 @@ class TrainingClient:
                                  f"and optimizer state unchanged")
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return OptimStepResponse({"step": float(self.step), **({"grad_norm": norm} if norm is not None else {})})
+        return _tinker_types().OptimStepResponse(metrics={"step": float(self.step),
+                                                          **({"grad_norm": norm} if norm is not None else {})})
 
     def _save(self, name: str, kind: str, overwrite: bool, ttl_seconds: float | None = None):
         path = f"tinker://{self.run_id}/{kind}/{name}"
         tag = ParsedCheckpointTinkerPath.from_tinker_path(path).tag
         store = self.service.store
-        response = SaveWeightsResponse if kind == "weights" else SaveWeightsForSamplerResponse
+        t = _tinker_types()
+        response = {"weights": t.SaveWeightsResponse, "sampler_weights": t.SaveWeightsForSamplerResponse,
+                    "external_weights": t.SaveWeightsExternalResponse}[kind]
         if self.service.checkpoints.is_expired(path):
             self.service.expire_checkpoints()  # an expired name is free again
         if not overwrite and tag in store.catalog.tags(self.run_id):
-            return response(path)  # idempotent save-by-name (Tinker's 409 -> same path)
+            return response(path=path)  # idempotent save-by-name (Tinker's 409 -> same path)
         tensors = {k: p.detach().clone() for k, p in self.adapter.items()}
         blob = None
         if kind == "weights":
@@ -285,9 +326,9 @@ class TrainingClient:
             store.publish(self.run_id, tensors, step=self.step, trainer_state=blob, tags=[tag],
                           extra={"placement": self.placement.to_dict(), "kind": kind, "name": name})
         self.service.checkpoints.set(path, ttl_seconds=ttl_seconds)  # also clears an older expiry on overwrite
-        return response(path)
+        return response(path=path)
 
-    def _load(self, path: str, with_optimizer: bool) -> LoadWeightsResponse:
+    def _load(self, path: str, with_optimizer: bool):
         tensors, state, _ = self.service._read_checkpoint(path, with_optimizer)
         if set(tensors) != set(self.adapter):
             raise KeyError(f"{path}: adapter tensors do not match this run's placement "
@@ -306,4 +347,4 @@ class TrainingClient:
             self.optimizer = torch.optim.AdamW(list(self.adapter.values()))
             self.optimizer.load_state_dict(state["optimizer"])
             self.step = int(state["step"])
-        return LoadWeightsResponse(path)
+        return _tinker_types().LoadWeightsResponse(path=path)

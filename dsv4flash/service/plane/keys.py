@@ -109,19 +109,40 @@ def add_key(path: str | os.PathLike, tenant: str, prefix: str = "tml-") -> str:
     return key
 
 
+MIN_SECRET_BYTES = 32  # HMAC-SHA256 wants a key at least as long as its 32-byte output (RFC 7518 §3.2)
+
+
+class SecretFileError(ValueError):
+    """A signing secret file (JWT or download) that is unreadable, empty or too short to sign with."""
+
+
+def load_secret(path: str | os.PathLike, what: str) -> bytes:
+    """The signing secret in `path` (`what` names it in errors), made once with random bytes when missing."""
+    # A file that exists but holds fewer than MIN_SECRET_BYTES is refused rather than replaced: an empty key would
+    # let anyone sign for any tenant, and silently minting a new one would hide that the file was damaged.
+    path = Path(path)
+    try:
+        if not path.exists():
+            write_bytes_atomic(path, secrets.token_bytes(MIN_SECRET_BYTES))
+            os.chmod(path, 0o600)
+        secret = path.read_bytes()
+    except OSError as exc:
+        raise SecretFileError(f"{path}: cannot read the {what} ({exc.strerror})") from exc
+    if len(secret) < MIN_SECRET_BYTES:
+        raise SecretFileError(f"{path}: the {what} is {len(secret)} bytes, expected at least {MIN_SECRET_BYTES} "
+                              f"(remove the file and restart to have a fresh one made)")
+    return secret
+
+
 class TokenSigner:
     """Short-lived HS256 JWTs for the SDK's key -> JWT exchange (`/api/v1/auth/token`): `sub` is the tenant.
 
-    The signing secret lives in `<store>/service/jwt_secret` (0600, made once), so tokens stay valid across a
-    restart; a removed key stops minting new tokens at once, its tokens expire within `ttl_s`.
+    The signing secret lives in `<store>/service/jwt_secret` (0600, made once: `load_secret`), so tokens stay
+    valid across a restart; a removed key stops minting new tokens at once, its tokens expire within `ttl_s`.
     """
 
     def __init__(self, secret_path: str | os.PathLike, ttl_s: float = 3600.0) -> None:
-        path = Path(secret_path)
-        if not path.exists():
-            write_bytes_atomic(path, secrets.token_bytes(32))
-            os.chmod(path, 0o600)
-        self._secret = path.read_bytes()
+        self._secret = load_secret(secret_path, "JWT signing secret")
         self.ttl_s = float(ttl_s)
 
     def issue(self, tenant: str, now: float | None = None) -> str:

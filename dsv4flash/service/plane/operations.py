@@ -36,6 +36,7 @@ class Operation:
     kind: str
     future: concurrent.futures.Future
     encode: Callable[[Any], Any]
+    cancel: Callable[[], bool] | None = None  # stops a running call too (APIFuture.cancel); else future.cancel
     created: float = field(default_factory=time.time)
     finished: float | None = None
 
@@ -56,16 +57,24 @@ class OperationTable:
         """Reserve a slot in the tenant's queue -> a fresh request id; QueueFull when it has none."""
         with self._lock:
             self._expire_locked()
-            if self._pending.get(tenant, 0) >= self.max_pending:
-                raise QueueFull(f"tenant {tenant!r} has {self.max_pending} unfinished requests (the per-tenant "
-                                f"bound); retry after some finish")
+            self._require_room_locked(tenant)
             self._pending[tenant] = self._pending.get(tenant, 0) + 1
             return f"{kind}-{self._epoch}-{next(self._seq)}"
 
+    def require_room(self, tenant: str) -> None:
+        """QueueFull when the tenant's queue is full (checked before decoding a request: a refusal costs little)."""
+        with self._lock:
+            self._require_room_locked(tenant)
+
+    def _require_room_locked(self, tenant: str) -> None:
+        if self._pending.get(tenant, 0) >= self.max_pending:
+            raise QueueFull(f"tenant {tenant!r} has {self.max_pending} unfinished requests (the per-tenant bound); "
+                            f"retry after some finish")
+
     def attach(self, request_id: str, tenant: str, kind: str, future: concurrent.futures.Future,
-               encode: Callable[[Any], Any]) -> Operation:
-        """Bind an admitted id to its running future."""
-        op = Operation(request_id, tenant, kind, future, encode)
+               encode: Callable[[Any], Any], cancel: Callable[[], bool] | None = None) -> Operation:
+        """Bind an admitted id to its running future (`cancel`: how to stop it, if not `future.cancel`)."""
+        op = Operation(request_id, tenant, kind, future, encode, cancel)
         with self._lock:
             self._ops[request_id] = op
         future.add_done_callback(lambda _f: self._finish(op))
@@ -97,8 +106,9 @@ class OperationTable:
             return self._pending.get(tenant, 0)
 
     def cancel(self, request_id: str, tenant: str) -> bool:
-        """Cancel an operation that has not started -> whether it was cancelled."""
-        return self.get(request_id, tenant).future.cancel()
+        """Cancel an operation: a queued one never runs, a running one stops at its next step -> whether it will."""
+        op = self.get(request_id, tenant)
+        return (op.cancel or op.future.cancel)()
 
     def _finish(self, op: Operation) -> None:
         from dsv4flash.lifecycle.faults import crashpoint

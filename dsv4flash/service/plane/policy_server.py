@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from dsv4flash.lifecycle.refs import ModelId, ParsedCheckpointTinkerPath, run_id_of, session_of
 from dsv4flash.service.compute.scheduler import PhaseScheduler
 from dsv4flash.service.plane.operations import OperationTable
 from dsv4flash.service.plane.owners import RunOwners
-from dsv4flash.service.types import ParsedCheckpointTinkerPath
 
 
 class NotFound(LookupError):
@@ -31,9 +31,8 @@ class BadRequest(ValueError):
     """A request field with a bad value (HTTP 400); the message names the field."""
 
 
-def run_id_of(model_id: str) -> str:
-    """The store's run id of a Tinker model id (`<session>:train:<n>` -> `<session>-train-<n>`)."""
-    return model_id.replace(":", "-")
+class Conflict(ValueError):
+    """A request that contradicts an earlier one sent under the same ids (HTTP 409); the message names the field."""
 
 
 @dataclass
@@ -68,24 +67,36 @@ class Sampler:
         return self.completions.setdefault(int(clone), CompletionQueue())
 
 
+# The user_metadata key that picks a run's dsv4flash placement preset (docs/service.md): the SDK's
+# create_lora_training_client has no placement argument, and user_metadata is the one free field it sends.
+PRESET_KEY = "dsv4flash_preset"
+# LoraConfig's fields as the request names them (Tinker's `lora_config.rank`; the preset from user_metadata).
+_PLACEMENT_FIELDS = {"LoraConfig.rank": "lora_config.rank", "LoraConfig.preset": f"user_metadata.{PRESET_KEY}"}
+
+
 class PolicyServer:
     """Tenant-checked, queued access to one `ServiceClient` (resident base + adapter store)."""
 
     def __init__(self, service, *, tokenizer_dir: str | None = None, max_pending: int = 64,
                  keep_s: float = 3600.0, max_samplers: int = 32, session_timeout_s: float = 600.0,
-                 phase_scheduler: bool = True) -> None:
+                 phase_scheduler: bool = True, call_timeout_s: float | None = None) -> None:
         self.service = service
         self.tokenizer_dir = tokenizer_dir
-        self.owners = RunOwners(service.root)
+        self.owners = RunOwners(service.state_root)
         self.ops = OperationTable(max_pending=max_pending, keep_s=keep_s)
         self.rest = service.create_rest_client()
         self._sessions: dict[str, Session] = {}
         self._models: dict[str, Any] = {}  # run id -> core TrainingClient
-        self._base_names: dict[str, str] = {}  # run id -> the base_model name its client created it with
         self._samplers: dict[str, Sampler] = {}  # insertion order = age (oldest first)
-        self._by_path: dict[str | None, Any] = {}  # stateless asample: checkpoint path -> SamplingClient
+        # stateless asample: (tenant, revision id (None: base)) -> SamplingClient; per tenant, because a client runs
+        # its calls in order, so one shared by tenants would queue each behind the others' backlog
+        self._by_revision: dict[tuple[str, str | None], Any] = {}
+        # run id -> (the request that created it, the future of its creation): a retried create is answered from
+        # here, so it never builds a fresh run over the live one
+        self._creations: dict[str, tuple[Any, concurrent.futures.Future]] = {}
         self.max_samplers = int(max_samplers)
         self.session_timeout_s = float(session_timeout_s)
+        self.call_timeout_s = None if call_timeout_s is None else float(call_timeout_s)
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="dsv4flash-plane")
         # The compute plane's scheduler, the same one the in-process concurrent GRPO uses: every core call of
@@ -151,7 +162,7 @@ class PolicyServer:
         if not isinstance(loss_id, str) or not loss_id:
             raise BadRequest("loss_fn_config.loss_id: required for loss_fn 'custom' (a create_custom_loss id)")
         with self._lock:
-            s = self._sessions.get(model_id.split(":", 1)[0])
+            s = self._sessions.get(session_of(model_id))
         loss = None if s is None or s.tenant != tenant else s.custom_losses.get(loss_id)
         if loss is None:
             raise BadRequest(f"loss_fn_config.loss_id: {loss_id!r} is not a custom loss of this model's session")
@@ -170,7 +181,9 @@ class PolicyServer:
         except BaseException:
             self.ops.release(tenant)
             raise
-        self.ops.attach(request_id, tenant, kind, getattr(fut, "future", fut), encode)
+        if hasattr(fut, "set_deadline"):  # a core call (not a plane-side one run `in_pool`): time-boxed
+            fut.set_deadline(self.call_timeout_s)
+        self.ops.attach(request_id, tenant, kind, getattr(fut, "future", fut), encode, fut.cancel)
         return request_id
 
     def in_pool(self, fn: Callable[..., Any], *args, **kwargs) -> concurrent.futures.Future:
@@ -190,9 +203,12 @@ class PolicyServer:
         raise BadRequest(f"base_model: {base_model!r} is not served here (the resident base is {name!r}, also "
                          f"reachable as its directory {self.tokenizer_dir!r})")
 
-    def base_name_of(self, model_id: str) -> str:
-        """The base model name a run's client used (the resident base's own name for resumed runs)."""
-        return self._base_names.get(run_id_of(model_id), self.service.base.base_model)
+    @property
+    def served_base_name(self) -> str:
+        """The one name every answer gives the base: its served Hugging Face directory when there is one."""
+        # The SDK loads a sampler's tokenizer by this name alone (AutoTokenizer.from_pretrained(base_model)), so a
+        # short name like `tiny` would send it to the hub.
+        return self.tokenizer_dir or self.service.base.base_model
 
     # ---- runs ----
     def model(self, tenant: str, model_id: str):
@@ -202,7 +218,7 @@ class PolicyServer:
             raise NotFound(f"model {model_id!r} not found")
         with self._lock:
             tc = self._models.get(run)
-            owner_session = self._sessions.get(model_id.split(":", 1)[0])
+            owner_session = self._sessions.get(session_of(model_id))
         if owner_session is not None:
             owner_session.last_seen = time.time()
         if tc is None:
@@ -211,31 +227,72 @@ class PolicyServer:
         return tc
 
     def create_model(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, lora: dict,
-                     user_metadata: dict | None):
-        """A new LoRA run `<session>:train:<seq>` -> its model id (runs synchronously; call via `in_pool`)."""
+                     user_metadata: dict | None) -> concurrent.futures.Future:
+        """A new LoRA run `<session>:train:<seq>` on the worker pool (a retry gets the same) -> future model id.
+
+        The placement is checked now, so a bad one is a 400 naming the field rather than a failed future."""
+        lora = dict(lora)
+        if (user_metadata or {}).get(PRESET_KEY) is not None:
+            lora["preset"] = str(user_metadata[PRESET_KEY])
+        try:
+            self.service.placement(**lora)
+        except ValueError as exc:
+            name, _, why = str(exc).partition(": ")
+            raise BadRequest(f"{_PLACEMENT_FIELDS[name]}: {why}" if name in _PLACEMENT_FIELDS
+                             else f"lora_config: {exc}") from exc
+        request = ("create_model", base_model, dict(lora), dict(user_metadata or {}))
+        return self._create_once(tenant, session_id, model_seq_id, request, lambda model_id: self._new_model(
+            tenant, model_id, base_model, lora, user_metadata))
+
+    def create_model_from_state(self, tenant: str, session_id: str, model_seq_id: int, path: str,
+                                with_optimizer: bool, user_metadata: dict | None) -> concurrent.futures.Future:
+        """A new run loaded from a readable checkpoint (a retry gets the same) -> future (path, model id)."""
+        self.require_readable(tenant, path)
+        request = ("load_weights", path, bool(with_optimizer), dict(user_metadata or {}))
+        return self._create_once(tenant, session_id, model_seq_id, request, lambda model_id: self._model_from_state(
+            tenant, model_id, path, with_optimizer, user_metadata))
+
+    def _create_once(self, tenant: str, session_id: str, model_seq_id: int, request,
+                     build: Callable[[str], Any]) -> concurrent.futures.Future:
+        """`build(model_id)` for model `<session>:train:<seq>`, started at most once per request: the SDK resends a
+        create whose answer it lost, and that retry must get the live run back, not a fresh one that silently
+        drops every step since the last save. Another request under the same ids is a Conflict (raised now, not
+        in the future); a creation that failed may be tried again."""
         self.session(tenant, session_id)
-        model_id = f"{session_id}:train:{int(model_seq_id)}"
+        model_id = str(ModelId(session_id, int(model_seq_id)))
+        run = run_id_of(model_id)
+        with self._lock:
+            known = self._creations.get(run)
+            failed = known is not None and known[1].done() and (known[1].cancelled() or known[1].exception())
+            if known is None or failed:
+                fut = self._pool.submit(build, model_id)
+                self._creations[run] = (request, fut)
+                return fut
+        if known[0] != request:
+            raise Conflict(f"model_seq_id: {int(model_seq_id)} of session {session_id} already names model "
+                           f"{model_id}, created by another request ({known[0][0]}); send that request again to get "
+                           f"it back, or use a new model_seq_id")
+        if known[1].done():
+            self.model(tenant, model_id)  # the same run, still live (not unloaded with its finished session)
+        return known[1]
+
+    def _new_model(self, tenant: str, model_id: str, base_model: str, lora: dict, user_metadata: dict | None) -> str:
         run = run_id_of(model_id)
         self.owners.claim(run, tenant)
-        self._base_names[run] = base_model  # get_info answers with it (the SDK derives samplers' tokenizers)
         tc = self.service.create_lora_training_client(self.resolve_base(base_model), user_metadata=user_metadata, run_id=run, **lora)
-        self._schedule(tc, run)
+        self._schedule(tc, run, tenant)
         with self._lock:
             self._models[run] = tc
         return model_id
 
-    def create_model_from_state(self, tenant: str, session_id: str, model_seq_id: int, path: str,
-                                with_optimizer: bool, user_metadata: dict | None):
-        """A new run loaded from a readable checkpoint (SDK's create_training_client_from_state*)."""
-        self.session(tenant, session_id)
-        self.require_readable(tenant, path)
-        model_id = f"{session_id}:train:{int(model_seq_id)}"
+    def _model_from_state(self, tenant: str, model_id: str, path: str, with_optimizer: bool,
+                          user_metadata: dict | None) -> tuple[str, str]:
         run = run_id_of(model_id)
         self.owners.claim(run, tenant)
         make = (self.service.create_training_client_from_state_with_optimizer if with_optimizer
                 else self.service.create_training_client_from_state)
         tc = make(path, user_metadata, run_id=run)
-        self._schedule(tc, run)
+        self._schedule(tc, run, tenant)
         with self._lock:
             self._models[run] = tc
         return path, model_id
@@ -263,10 +320,13 @@ class PolicyServer:
         return parsed
 
     def require_readable(self, tenant: str, path: str) -> ParsedCheckpointTinkerPath:
-        """A checkpoint the tenant owns, or one its owner published (NotFound otherwise)."""
+        """A checkpoint the tenant owns, one its owner published, or a tag of a policy trained into the store
+        outside the server (readable by every tenant: the operator put it there); NotFound otherwise."""
         parsed = self.parse_path(path)
         owner = self.owners.owner(parsed.training_run_id)
-        if owner is None or (owner != tenant and not self.service.checkpoints.get(path)["public"]):
+        if owner is None and self.service.is_trained_policy(parsed.training_run_id):
+            pass
+        elif owner is None or (owner != tenant and not self.service.checkpoints.get(path)["public"]):
             raise NotFound(f"checkpoint {path} not found")
         try:
             self.service.require_checkpoint(path)
@@ -292,7 +352,7 @@ class PolicyServer:
         oldest (an RL loop makes one per step with `save_weights_and_get_sampling_client`; old ones answer 404).
         """
         sid = f"sampler-{secrets.token_hex(6)}"
-        self._schedule(client, model_path or sid)
+        self._schedule(client, model_path or sid, tenant)
         with self._lock:
             mine = [k for k, v in self._samplers.items() if v.tenant == tenant]
             for old in mine[:max(0, len(mine) - self.max_samplers + 1)]:
@@ -300,19 +360,41 @@ class PolicyServer:
             self._samplers[sid] = Sampler(sid, tenant, client, model_path, session_id)
         return sid
 
-    def path_sampler(self, model_path: str | None):
-        """A shared core SamplingClient for a checkpoint path (None: the bare base), kept for the last
-        `max_samplers` paths, so stateless `asample` calls do not reread the checkpoint each time."""
+    def path_sampler(self, tenant: str, model_path: str | None):
+        """The tenant's core SamplingClient for the revision a checkpoint path resolves to now (None: the bare base)."""
+        # Stateless `asample` calls would otherwise reread the checkpoint each time; each tenant's last
+        # `max_samplers` revisions are kept. Keyed by revision, not path: a name deleted and saved again is other
+        # weights. Per tenant: a client runs its calls in order, so a shared one would queue tenants behind each other.
+        revision = None if model_path is None else self.service.require_checkpoint(model_path).id
+        key = (tenant, revision)
         with self._lock:
-            client = self._by_path.pop(model_path, None)
+            client = self._by_revision.pop(key, None)
         if client is None:
             client = self.service.create_sampling_client(model_path=model_path)
-            self._schedule(client, model_path or "base")
-        with self._lock:
-            self._by_path[model_path] = client  # most recent last
-            while len(self._by_path) > self.max_samplers:
-                self._by_path.pop(next(iter(self._by_path)))
+            self._schedule(client, model_path or "base", tenant)
+            if model_path is not None and self.service.require_checkpoint(model_path).id != revision:
+                return client  # the name moved while it was read: answer with it, but keep nothing under `revision`
+        self._keep_revision_client(key, client)
         return client
+
+    def revision_sampler(self, tenant: str, revision: str, name: str):
+        """The tenant's core SamplingClient for one catalog revision (its full id), shared with `path_sampler`'s
+        clients of the same revision: the OpenAI routes' names (`<policy>@<revision>`, a tag) resolve to one."""
+        key = (tenant, revision)
+        with self._lock:
+            client = self._by_revision.pop(key, None)
+        if client is None:
+            client = self.service.create_sampling_client(revision=revision)
+            self._schedule(client, name, tenant)
+        self._keep_revision_client(key, client)
+        return client
+
+    def _keep_revision_client(self, key: tuple[str, str | None], client) -> None:
+        with self._lock:
+            self._by_revision[key] = client  # most recent last
+            mine = [k for k in self._by_revision if k[0] == key[0]]
+            for old in mine[:max(0, len(mine) - self.max_samplers)]:
+                del self._by_revision[old]
 
     def sampler(self, tenant: str, sampler_id: str) -> Sampler:
         """The tenant's sampling session."""
@@ -332,28 +414,30 @@ class PolicyServer:
     # ---- REST listings (the tenant's own runs only) ----
     def list_runs(self, tenant: str, limit: int, offset: int):
         """The tenant's training runs, newest first."""
-        from dsv4flash.service.types import Cursor, TrainingRunsResponse
+        from tinker.types import Cursor, TrainingRunsResponse
 
         runs = [self.rest.get_training_run(r).result() for r in sorted(self.owners.runs_of(tenant))
                 if self._exists(r)]
         runs.sort(key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
-        return TrainingRunsResponse(runs[offset:offset + limit], Cursor(offset, limit, len(runs)))
+        return TrainingRunsResponse(training_runs=runs[offset:offset + limit],
+                                    cursor=Cursor(offset=offset, limit=limit, total_count=len(runs)))
 
     def list_user_checkpoints(self, tenant: str, limit: int, offset: int):
         """Every checkpoint of the tenant's runs, newest first."""
-        from dsv4flash.service.types import CheckpointsListResponse, Cursor
+        from tinker.types import CheckpointsListResponse, Cursor
 
         every = [c for r in sorted(self.owners.runs_of(tenant)) if self._exists(r)
                  for c in self.rest.list_checkpoints(r).result().checkpoints]
         every.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)
-        return CheckpointsListResponse(every[offset:offset + limit], Cursor(offset, limit, len(every)))
+        return CheckpointsListResponse(checkpoints=every[offset:offset + limit],
+                                       cursor=Cursor(offset=offset, limit=limit, total_count=len(every)))
 
     def _exists(self, run: str) -> bool:
         return run in set(self.service.store.catalog.list_policies())
 
-    def _schedule(self, client, policy: str) -> None:
+    def _schedule(self, client, policy: str, tenant: str) -> None:
         if self.scheduler is not None:
-            client.schedule_with(self.scheduler, policy)
+            client.schedule_with(self.scheduler, policy, tenant)
 
     def close(self) -> None:
         """Stop the worker pool (queued core work still finishes on its own threads)."""

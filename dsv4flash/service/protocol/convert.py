@@ -1,8 +1,7 @@
-"""`tinker.types` requests -> service-core arguments, and core results -> `tinker.types` / protobuf answers."""
+"""Requests in (token ids of a ModelInput, the optimizer type, TTLs) and results out as protobuf or JSON answers
+(the core speaks `tinker.types` itself, so nothing is converted between type families)."""
 
 from __future__ import annotations
-
-import dataclasses
 
 from dsv4flash.service import types as core
 from dsv4flash.service.plane.policy_server import BadRequest
@@ -20,24 +19,31 @@ def tokens_of(model_input, field: str) -> list[int]:
     return out
 
 
-def sampling_params(p) -> core.SamplingParams:
-    """tinker SamplingParams -> core SamplingParams."""
-    stop = p.stop if p.stop is None or isinstance(p.stop, str) else list(p.stop)
-    return core.SamplingParams(max_tokens=p.max_tokens, seed=p.seed, stop=stop, temperature=float(p.temperature),
-                               top_k=int(p.top_k), top_p=float(p.top_p))
-
-
 def adam_params(p) -> core.AdamParams:
-    """tinker AdamParams -> core AdamParams (same field names)."""
-    if type(p).__name__ != "AdamParams":
+    """The request's optimizer parameters, which must be Adam's (400 naming the type otherwise)."""
+    if not isinstance(p, core.AdamParams):
         raise BadRequest(f"optim_params: {type(p).__name__} is not supported (AdamParams only)")
-    return core.AdamParams(**{f.name: float(getattr(p, f.name)) for f in dataclasses.fields(core.AdamParams)
-                              if getattr(p, f.name, None) is not None})
+    return p
+
+
+def ttl_seconds(body: dict) -> int | None:
+    """The `ttl_seconds` of a JSON body as sent (`request.state.json`), checked; BadRequest naming the field."""
+    # The body as sent, not the validated model: validation turns `true` into 1 and "60" into 60.
+    from dsv4flash.service.plane.checkpoints import check_ttl
+
+    try:
+        return check_ttl(body.get("ttl_seconds"), integer=True)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
 
 
 def error_category(exc: BaseException) -> str:
-    """`user` for errors in the request (bad values, unknown names), `server` otherwise."""
-    return "user" if isinstance(exc, (ValueError, KeyError, TypeError, FileNotFoundError, LookupError)) else "server"
+    """`user` for errors in the request (bad values, unknown names) and cancelled requests, `server` otherwise
+    (a request stopped at the per-call deadline included: nothing was wrong with it, so retrying may succeed)."""
+    from dsv4flash.service.calls import CallCancelled
+
+    user = (ValueError, KeyError, TypeError, FileNotFoundError, LookupError, CallCancelled)
+    return "user" if isinstance(exc, user) else "server"
 
 
 # ---- results ----
@@ -57,32 +63,3 @@ def sample_result(resp: core.SampleResponse, proto: bool):
     return {"type": "sample", "prompt_logprobs": resp.prompt_logprobs,
             "sequences": [{"stop_reason": s.stop_reason, "tokens": list(s.tokens), "logprobs": s.logprobs}
                           for s in resp.sequences]}
-
-
-def checkpoint(c: core.Checkpoint):
-    """core Checkpoint -> tinker.types.Checkpoint."""
-    from tinker import types
-
-    return types.Checkpoint(checkpoint_id=c.checkpoint_id, checkpoint_type=c.checkpoint_type, time=c.time,
-                            tinker_path=c.tinker_path, size_bytes=c.size_bytes, public=c.public,
-                            expires_at=c.expires_at)
-
-
-def cursor(c: core.Cursor):
-    """core Cursor -> tinker.types.Cursor."""
-    from tinker import types
-
-    return types.Cursor(offset=c.offset, limit=c.limit, total_count=c.total_count)
-
-
-def training_run(r: core.TrainingRun, owner: str):
-    """core TrainingRun -> tinker.types.TrainingRun (`model_owner` is the tenant)."""
-    from tinker import types
-
-    return types.TrainingRun(training_run_id=r.training_run_id, base_model=r.base_model, model_owner=owner,
-                             is_lora=r.is_lora, corrupted=r.corrupted, lora_rank=r.lora_rank,
-                             last_request_time=r.last_request_time,
-                             last_checkpoint=checkpoint(r.last_checkpoint) if r.last_checkpoint else None,
-                             last_sampler_checkpoint=(checkpoint(r.last_sampler_checkpoint)
-                                                      if r.last_sampler_checkpoint else None),
-                             user_metadata={str(k): str(v) for k, v in (r.user_metadata or {}).items()} or None)

@@ -16,8 +16,9 @@ class ServerProcess:
     """A running `dsv4flash serve` child: `url`, `proc`, and the log file it writes (next to the store)."""
 
     def __init__(self, store: Path, keys: Path | None, *, env: dict | None = None, args: tuple = (),
-                 poll_s: float = 1.0) -> None:
-        """`keys=None`: no `--keys` (the server uses, and on first start fills, `<store>/service/keys`)."""
+                 poll_s: float = 1.0, base: str = "random-tiny") -> None:
+        """`keys=None`: no `--keys` (the server uses, and on first start fills, `<store>/service/keys`). `base`: the
+        server's `--base`; by default the seeded tiny base, the same compute as the trained one without building it."""
         self.store, self.keys = Path(store), (Path(keys) if keys is not None else None)
         self.port_file = self.store.parent / f"{self.store.name}.port"
         self.port_file.unlink(missing_ok=True)
@@ -27,9 +28,9 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dsv4flash", "serve", "--host", "127.0.0.1", "--port", "0", "--store",
              str(self.store), *(["--keys", str(self.keys)] if keys is not None else []), "--port-file",
-             str(self.port_file), "--poll-s", str(poll_s), *args],
+             str(self.port_file), "--poll-s", str(poll_s), "--base", base, *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env_all)
-        deadline = time.time() + 120
+        deadline = time.time() + (120 if base.startswith("random-") else 1800)  # a trained base may be built first
         while not self.port_file.exists():
             if self.proc.poll() is not None or time.time() > deadline:
                 self.stop()
@@ -49,7 +50,8 @@ class ServerProcess:
 
     def log(self) -> str:
         """Everything the server printed."""
-        self._log.flush()
+        if not self._log.closed:  # stop() closes it: a failed start reports its log after stopping the child
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def kill(self) -> None:

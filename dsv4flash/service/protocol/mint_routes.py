@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from dsv4flash.lifecycle.refs import has_checkpoint_scheme
 from dsv4flash.service.plane.policy_server import BadRequest
 from dsv4flash.service.protocol import wire
 from dsv4flash.service.protocol.http import future_response, guarded, parse, tenant_of
@@ -99,7 +100,7 @@ async def interpolate(request: Request) -> Response:
     plane = request.app.state.plane
     for p in req.source_paths:
         plane.require_readable(tenant, p)
-    if req.output_path is not None and req.output_path.startswith(("tinker://", "mint://")):
+    if req.output_path is not None and has_checkpoint_scheme(req.output_path):
         parsed = plane.require_own(tenant, req.output_path)
         if parsed.checkpoint_type != "sampler":
             raise BadRequest("output_path: must be a sampler_weights path (output_checkpoint_type is 'sampler')")

@@ -12,7 +12,7 @@ from starlette.routing import Route
 from dsv4flash.service.plane.policy_server import BadRequest
 from dsv4flash.service.protocol import convert
 from dsv4flash.service.protocol.http import (future_response, guarded, model_json, parse, plane_of,
-                                             tenant_of, tinker_types)
+                                             require_room, tenant_of, tinker_types)
 
 
 async def create_sampling_session(request: Request) -> Response:
@@ -35,7 +35,7 @@ async def get_sampler(request: Request) -> Response:
     plane = plane_of(request)
     s = plane.sampler(tenant, request.path_params["sampler_id"])
     return model_json(tinker_types().GetSamplerResponse(
-        sampler_id=s.sampler_id, base_model=plane.service.base.base_model, model_path=s.model_path))
+        sampler_id=s.sampler_id, base_model=plane.served_base_name, model_path=s.model_path))
 
 
 CLONE_SEQ_STRIDE = 1_000_000_000  # the SDK numbers clone k's requests from k * 1e9 (cloned_sampler_id)
@@ -46,6 +46,7 @@ _UNSUPPORTED_SAMPLE = {"target_prompt_logprobs": None,
 
 async def asample(request: Request) -> Response:
     tenant = tenant_of(request)
+    await require_room(request, tenant)
     req = await parse(request, tinker_types().SampleRequest)
     plane = plane_of(request)
     for name, default in _UNSUPPORTED_SAMPLE.items():
@@ -58,12 +59,19 @@ async def asample(request: Request) -> Response:
     else:  # stateless: a checkpoint path, or the bare base
         if req.model_path is not None:
             plane.require_readable(tenant, req.model_path)
-        client = await asyncio.to_thread(plane.path_sampler, req.model_path)
+        client = await asyncio.to_thread(plane.path_sampler, tenant, req.model_path)
     if req.num_samples < 1:
         raise BadRequest(f"num_samples: must be at least 1, got {req.num_samples}")
     prompt = convert.tokens_of(req.prompt, "prompt")
-    params = convert.sampling_params(req.sampling_params)
+    params = req.sampling_params
+    from dsv4flash.service.compute.sampling import check_sample_request
     from dsv4flash.service.types import ModelInput
+
+    text = plane.service.base.cfg.text
+    try:  # now, as a 400, not when it runs: a prompt or max_tokens past the context, a bad parameter
+        check_sample_request(prompt, req.num_samples, params, text.vocab_size, text.max_position_embeddings)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
 
     k, k_prompt = req.topk_sample_logprobs or 0, req.topk_prompt_logprobs or 0
     for name, value in (("topk_sample_logprobs", k), ("topk_prompt_logprobs", k_prompt)):

@@ -59,12 +59,12 @@ async def finish_session(request: Request) -> Response:
 async def capabilities(request: Request) -> Response:
     tenant_of(request)
     t = tinker_types()
-    base = plane_of(request).service.base
     plane = plane_of(request)
-    names = [base.base_model] + ([plane.tokenizer_dir] if plane.tokenizer_dir else [])  # same base, two names
+    # Only the served name: `tiny` (or --base's path) is still accepted as base_model, but a client that samples
+    # under it would look its tokenizer up on the hub.
     return model_json(t.GetServerCapabilitiesResponse(supported_models=[t.SupportedModel(
-        model_name=name, max_context_length=int(base.cfg.text.max_position_embeddings),
-        trainable=True, sampleable=True) for name in names]))
+        model_name=plane.served_base_name, max_context_length=int(plane.service.base.cfg.text.max_position_embeddings),
+        trainable=True, sampleable=True)]))
 
 
 async def telemetry(request: Request) -> Response:

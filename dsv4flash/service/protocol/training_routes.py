@@ -12,10 +12,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from dsv4flash.lifecycle.refs import session_of
 from dsv4flash.service.plane.policy_server import BadRequest
 from dsv4flash.service.protocol import convert, wire
 from dsv4flash.service.protocol.http import (future_response, guarded, json_result, model_json, parse,
-                                             plane_of, read_body, tenant_of, tinker_types)
+                                             plane_of, read_body, require_room, tenant_of, tinker_types)
 
 
 def _lora_kwargs(lora) -> dict:
@@ -36,8 +37,8 @@ async def create_model(request: Request) -> Response:
     plane.resolve_base(req.base_model)
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
     rid = plane.submit(tenant, "create_model",
-                       lambda: plane.in_pool(plane.create_model, tenant, req.session_id, req.model_seq_id,
-                                             req.base_model, _lora_kwargs(req.lora_config), req.user_metadata),
+                       lambda: plane.create_model(tenant, req.session_id, req.model_seq_id, req.base_model,
+                                                  _lora_kwargs(req.lora_config), req.user_metadata),
                        json_result(lambda mid: tinker_types().CreateModelResponse(model_id=mid)))
     return future_response(rid, model_id=model_id)
 
@@ -49,7 +50,7 @@ async def get_info(request: Request) -> Response:
     tc = plane.model(tenant, req.model_id)
     t = tinker_types()
     base = plane.service.base
-    name = plane.base_name_of(req.model_id)  # as the client named the base: the SDK's samplers load it by name
+    name = plane.served_base_name  # the SDK's samplers of this run load their tokenizer by this name
     return model_json(t.GetInfoResponse(
         type="get_info", model_id=req.model_id, is_lora=True, lora_rank=int(tc.placement.rank),
         model_name=name,
@@ -83,6 +84,7 @@ async def forward(request: Request) -> Response:
 
 async def _run_forward(request: Request, input_key: str) -> Response:
     tenant = tenant_of(request)
+    await require_room(request, tenant)
     plane = plane_of(request)
     model_id, forward_only, loss_fn, config, data = await _fwd_body(request, input_key)
     tc = plane.model(tenant, model_id)
@@ -91,6 +93,10 @@ async def _run_forward(request: Request, input_key: str) -> Response:
             raise BadRequest("loss_fn: 'custom' needs forward_backward (forward has no custom-loss form)")
         loss = plane.custom_loss(tenant, model_id, (config or {}).get("loss_id"))
         loss.check_data(data)
+        try:
+            tc.check_context(data)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
         rid = plane.submit(tenant, "forward_backward", lambda: tc.forward_backward_custom(data, loss),
                            convert.forward_backward_result)
         return future_response(rid, model_id=model_id)
@@ -135,8 +141,9 @@ async def save_weights(request: Request) -> Response:
     req = await parse(request, tinker_types().SaveWeightsRequest)
     plane = plane_of(request)
     tc = plane.model(tenant, req.model_id)
+    ttl = convert.ttl_seconds(request.state.json)
     name = req.path or f"step-{tc.step:06d}"
-    rid = plane.submit(tenant, "save_weights", lambda: tc.save_state(name, req.ttl_seconds, req.overwrite),
+    rid = plane.submit(tenant, "save_weights", lambda: tc.save_state(name, ttl, req.overwrite),
                        json_result(lambda r: tinker_types().SaveWeightsResponse(path=r.path, type="save_weights")))
     return future_response(rid, model_id=req.model_id)
 
@@ -146,10 +153,11 @@ async def save_weights_for_sampler(request: Request) -> Response:
     req = await parse(request, tinker_types().SaveWeightsForSamplerRequest)
     plane = plane_of(request)
     tc = plane.model(tenant, req.model_id)
+    ttl = convert.ttl_seconds(request.state.json)
     t = tinker_types()
     if req.path is not None:
         rid = plane.submit(tenant, "save_weights_for_sampler",
-                           lambda: tc.save_weights_for_sampler(req.path, req.ttl_seconds),
+                           lambda: tc.save_weights_for_sampler(req.path, ttl),
                            json_result(lambda r: t.SaveWeightsForSamplerResponseInternal(
                                path=r.path, type="save_weights_for_sampler")))
         return future_response(rid, model_id=req.model_id)
@@ -158,8 +166,23 @@ async def save_weights_for_sampler(request: Request) -> Response:
     # No name: an ephemeral snapshot of the weights after every queued call, served as a sampling session.
     rid = plane.submit(tenant, "save_weights_for_sampler", tc.snapshot_sampling_client,
                        json_result(lambda sc: t.SaveWeightsForSamplerResponseInternal(
-                           sampling_session_id=plane.add_sampler(tenant, req.model_id.split(":")[0], sc, None),
+                           sampling_session_id=plane.add_sampler(tenant, session_of(req.model_id), sc, None),
                            type="save_weights_for_sampler")))
+    return future_response(rid, model_id=req.model_id)
+
+
+async def save_weights_external(request: Request) -> Response:
+    tenant = tenant_of(request)
+    req = await parse(request, tinker_types().SaveWeightsExternalRequest)
+    if req.age_encryption_recipients:
+        raise BadRequest("age_encryption_recipients: not supported by this server (files are served unencrypted "
+                         "over signed URLs; leave it unset)")
+    plane = plane_of(request)
+    tc = plane.model(tenant, req.model_id)
+    ttl = convert.ttl_seconds(request.state.json)
+    rid = plane.submit(tenant, "save_weights_external", lambda: tc.save_weights_external(req.path, ttl),
+                       json_result(lambda r: tinker_types().SaveWeightsExternalResponseInternal(
+                           path=r.path, type="save_weights_external")))
     return future_response(rid, model_id=req.model_id)
 
 
@@ -174,8 +197,8 @@ async def load_weights(request: Request) -> Response:
             raise BadRequest("model_id: give model_id, or session_id and model_seq_id for a new run")
         plane.require_readable(tenant, req.path)
         rid = plane.submit(tenant, "load_weights",
-                           lambda: plane.in_pool(plane.create_model_from_state, tenant, req.session_id,
-                                                 req.model_seq_id, req.path, req.optimizer, req.user_metadata),
+                           lambda: plane.create_model_from_state(tenant, req.session_id, req.model_seq_id,
+                                                                 req.path, req.optimizer, req.user_metadata),
                            encode)
         return future_response(rid, model_id=f"{req.session_id}:train:{req.model_seq_id}")
     tc = plane.model(tenant, req.model_id)
@@ -196,5 +219,6 @@ ROUTES = [
     Route("/api/v1/optim_step", guarded(optim_step), methods=["POST"]),
     Route("/api/v1/save_weights", guarded(save_weights), methods=["POST"]),
     Route("/api/v1/save_weights_for_sampler", guarded(save_weights_for_sampler), methods=["POST"]),
+    Route("/api/v1/save_weights_external", guarded(save_weights_external), methods=["POST"]),
     Route("/api/v1/load_weights", guarded(load_weights), methods=["POST"]),
 ]

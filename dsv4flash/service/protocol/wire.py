@@ -24,21 +24,32 @@ def _pb():
     return tinker_public_pb2
 
 
+class BodyTooLarge(ValueError):
+    """A body that decompresses past the request limit (HTTP 413)."""
+
+
 def decompress(body: bytes, content_encoding: str | None, *, limit: int) -> bytes:
-    """Undo `Content-Encoding: zstd` (bounded by `limit` bytes decompressed)."""
+    """Undo `Content-Encoding: zstd`, streaming: stops with `BodyTooLarge` once more than `limit` bytes come out, so a
+    small compressed body cannot make the server hold its whole (arbitrarily large) decompressed form."""
     if not content_encoding or content_encoding == "identity":
         return body
     if content_encoding != "zstd":
         raise WireError(f"Content-Encoding: {content_encoding!r} is not supported (zstd or none)")
+    import io
+
     import zstandard
 
+    out, size = [], 0
     try:
-        out = zstandard.ZstdDecompressor().decompressobj().decompress(body)
+        with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True) as reader:
+            while chunk := reader.read(min(1 << 20, limit + 1 - size)):
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"request body decompresses to more than the {limit}-byte request limit")
+                out.append(chunk)
     except zstandard.ZstdError as exc:
         raise WireError(f"body: not valid zstd ({exc})") from exc
-    if len(out) > limit:
-        raise WireError(f"body: decompresses to more than the {limit}-byte request limit")
-    return out
+    return b"".join(out)
 
 
 def _tensor(msg, where: str) -> core.TensorData:
@@ -55,7 +66,7 @@ def _tensor(msg, where: str) -> core.TensorData:
     shape = list(msg.shape) or [arr.size]
     if int(np.prod(shape)) != arr.size:
         raise WireError(f"{where}: shape {shape} does not hold {arr.size} values")
-    return core.TensorData(arr.tolist(), dtype, shape)
+    return core.TensorData(arr, dtype, shape)
 
 
 def _spans(msgs, where: str) -> list[core.ProvenanceSpan] | None:
@@ -122,7 +133,7 @@ def _json_tensor(value, where: str) -> core.TensorData:
     shape = list(value.get("shape") or [arr.size])
     if int(np.prod(shape)) != arr.size:
         raise WireError(f"{where}.shape: {shape} does not hold {arr.size} values")
-    return core.TensorData(arr.tolist(), dtype, shape)
+    return core.TensorData(arr, dtype, shape)
 
 
 def json_tokens(model_input, where: str) -> list[int]:

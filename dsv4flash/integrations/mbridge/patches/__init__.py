@@ -1,6 +1,6 @@
 """Runtime twins for megatron-bridge, one module per upstream change (Patch-Id `DSV41-MBRIDGE-NNN`).
 
-Every module here registers itself with `dsv4flash._patching.runtime_patch`; `_patching.discover()` imports
+Every module here registers itself with `dsv4flash.patching.twins.runtime_patch`; `twins.discover()` imports
 them all and `dsv4flash.integrations.mbridge.register()` applies them. The upstream form of each lives in
 `patches/megatron-bridge/` under the same Patch-Id. Importing a twin module imports no megatron-bridge;
 `install` does (on a CPU machine after `dsv4flash.cpu_mode.mbridge_import.install()`).
@@ -9,7 +9,7 @@ them all and `dsv4flash.integrations.mbridge.register()` applies them. The upstr
 import functools
 import sys
 
-from dsv4flash._patching import runtime_patch
+from dsv4flash.patching.twins import runtime_patch
 
 mbridge_twin = functools.partial(runtime_patch, target="NVIDIA-NeMo/Megatron-Bridge", distribution="megatron-bridge",
                                  versions=">=0.6.2,<0.7.0", upstream_status="Pending", forwarded="no",

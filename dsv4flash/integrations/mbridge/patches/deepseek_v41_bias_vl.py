@@ -22,7 +22,7 @@ import dataclasses
 import functools
 from typing import Any, Iterable
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.mbridge.patches import mbridge_twin
 
 PACKAGE = "megatron.bridge.models.deepseek_v41"

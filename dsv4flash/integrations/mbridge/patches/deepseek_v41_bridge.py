@@ -20,7 +20,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from dsv4flash._patching import MARKER, Patcher
+from dsv4flash.patching.twins import MARKER, Patcher
 from dsv4flash.integrations.mbridge.patches import import_bridge, mbridge_twin
 
 PATCH_ID = "DSV41-MBRIDGE-001"

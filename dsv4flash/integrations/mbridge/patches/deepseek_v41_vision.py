@@ -29,7 +29,7 @@ import inspect
 import sys
 import types
 
-from dsv4flash._patching import MARKER, Patcher
+from dsv4flash.patching.twins import MARKER, Patcher
 from dsv4flash.integrations.mbridge.patches import import_bridge, mbridge_twin
 
 PATCH_ID = "DSV41-MBRIDGE-006"
@@ -62,6 +62,19 @@ def upstream_has_vision() -> bool:
     if loaded is None and importlib.util.find_spec(PACKAGE) is None:
         return False
     return carries_vision(importlib.import_module(PACKAGE))
+
+
+def vision_module() -> types.ModuleType:
+    """`megatron.bridge.models.deepseek_v41.deepseek_v41_vision`: the installed one, else this twin's (applied)."""
+    name = f"{PACKAGE}.deepseek_v41_vision"
+    if name not in sys.modules and not upstream_has_vision():
+        from dsv4flash.patching import twins
+
+        twins.discover()
+        if not twins.REGISTRY.get(PATCH_ID).apply().active:
+            raise RuntimeError(f"{PATCH_ID}: the V4.1 vision tower needs this twin or a megatron-bridge with the patch "
+                               "applied; the twin was not applied (its log line says why)")
+    return importlib.import_module(name)
 
 
 @mbridge_twin(

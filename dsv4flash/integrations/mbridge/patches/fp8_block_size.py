@@ -19,7 +19,7 @@ import inspect
 
 import torch
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.mbridge.patches import import_bridge, mbridge_twin
 
 _QU = "megatron.bridge.models.conversion.quantization_utils"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.mbridge.patches import import_bridge, mbridge_twin
 from dsv4flash.integrations.mcore.patches import provide_upstream_files
 

@@ -1,4 +1,4 @@
-"""CSA2 self-attention as a Megatron module (architecture.md §2.3), built from a ModuleSpec.
+"""CSA2 self-attention as a Megatron module (docs/architecture.md §2.3), built from a ModuleSpec.
 
 Every layer computes its own query and window KV. A Full layer compresses the groups this rank owns,
 publishes compressed KV and index keys (assembled over context-parallel ranks: each entry has one owner),
@@ -21,10 +21,9 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.tensor_parallel.utils import divide
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.experimental_attention_variant.csa2_layout import CSA2TokenLayout
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from dsv4flash.integrations.mcore.csa2.context_parallel import all_reduce_sum_autograd
-from dsv4flash.integrations.mcore.csa2.layout import GroupTable, TokenLayout
 from dsv4flash.integrations.mcore.csa2.modules import (
     GroupedOutputProjection,
     KeepFP32,
@@ -37,7 +36,7 @@ from dsv4flash.model.quant import fake_quant_compressed_kv, fake_quant_window_kv
 from dsv4flash.model.rope import apply_rope, rope_angles, rope_frequencies
 from dsv4flash.model.state import CSA2State
 
-__all__ = ["CSA2AttentionSubmodules", "CSA2SelfAttention", "scatter_entries"]
+__all__ = ["CSA2AttentionSubmodules", "CSA2SelfAttention"]
 
 
 @dataclass
@@ -50,14 +49,6 @@ class CSA2AttentionSubmodules:
     norm: Any = None
     compressor: Union[ModuleSpec, type, None] = None
     indexer: Union[ModuleSpec, type, None] = None
-
-
-def scatter_entries(values: torch.Tensor, table: GroupTable) -> torch.Tensor:
-    """Owned-group rows [B,N,F] -> row entries [B,Tmax,F] (zero where another rank or nobody owns the entry)."""
-    batch, _, width = values.shape
-    out = torch.zeros(batch, table.num_entries, width, dtype=values.dtype, device=values.device)
-    idx = table.owner_entry.unsqueeze(-1).expand(-1, -1, width)
-    return out.scatter_add(1, idx, values * table.owner_valid.unsqueeze(-1).to(values.dtype))
 
 
 class CSA2SelfAttention(KeepFP32, MegatronModule):
@@ -112,7 +103,7 @@ class CSA2SelfAttention(KeepFP32, MegatronModule):
         freqs = rope_frequencies(self.text, self.plan.rope_theta, self.plan.yarn)
         return rope_angles(freqs, positions)
 
-    def forward(self, hidden_states: torch.Tensor, state: CSA2State, layout: TokenLayout,
+    def forward(self, hidden_states: torch.Tensor, state: CSA2State, layout: CSA2TokenLayout,
                 selections: dict | None = None) -> tuple[torch.Tensor, CSA2State]:
         """hidden_states [s,b,h] (attn_norm'd) -> (output [s,b,h], state with what this layer publishes).
 
@@ -154,24 +145,22 @@ class CSA2SelfAttention(KeepFP32, MegatronModule):
         return attend(q, keys, allowed)
 
     def _csa2(self, x: torch.Tensor, qr: torch.Tensor, rot: torch.Tensor, state: CSA2State,
-              layout: TokenLayout, selections: dict | None) -> CSA2State:
+              layout: CSA2TokenLayout, selections: dict | None) -> CSA2State:
         plan = self.plan
-        table = layout.groups[plan.ratio]
+        table = layout.groups(plan.ratio)
         replay = selections.get(plan.layer_id) if selections is not None else None
         if plan.has_compressor:
             latent = self.compressor.pool(layout.extend(self.compressor.token_inputs(x)), table, x.dtype)  # [B,N,hd]
-            group_rot = self.rotation(table.owner_group * plan.ratio)  # RoPE at each group's first position
-            compress_kv = scatter_entries(fake_quant_compressed_kv(apply_rope(latent, group_rot)), table)
+            group_rot = self.rotation(table.owner_start)  # RoPE at each group's first position
+            # Every row entry [B,Tmax,hd]; under context parallelism the sum of every owner's part.
+            compress_kv = layout.publish(fake_quant_compressed_kv(apply_rope(latent, group_rot)), table)
             if replay is not None:
                 index_k = replay["index_k"]
             else:
                 # Index keys only feed the discrete top-k (no LM gradient, §13): keep them out of the graph, so
                 # full recompute does not hand the indexer zero gradients where the plain run has none.
-                index_k = scatter_entries(self.indexer.index_keys(latent.detach(), group_rot), table).detach()
-            if layout.halo is not None:  # context parallel: every rank needs every owner's entries
-                compress_kv = all_reduce_sum_autograd(compress_kv, layout.halo.cp.group)
-                if replay is None:
-                    index_k = all_reduce_sum_autograd(index_k, layout.halo.cp.group)
+                index_k = layout.publish(self.indexer.index_keys(latent.detach(), group_rot), table,
+                                         differentiable=False).detach()
             state = state.publish(compress_kv=compress_kv, index_k=index_k, ratio=plan.ratio, kv_layer=plan.layer_id)
         if state.kv_layer != plan.kv_source:
             raise RuntimeError(f"layer {plan.layer_id}: expected compressed KV of layer {plan.kv_source}, the state "

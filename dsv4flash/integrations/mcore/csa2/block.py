@@ -5,7 +5,7 @@ Why a block of our own: in megatron-core 0.19 the shared `checkpointed_forward` 
 hand each other the mHC `pre` and four CSA2 tensors, and a Full layer's compressor is trained by every
 later Reuse/Reindex layer. If that state crossed a checkpoint boundary in a side channel (a module
 attribute, a dict, a carrier object) it would be produced under `no_grad` and the producer would silently
-lose every consumer's gradient (upstream.md §1.2, P1). Here each checkpointed chunk is a function of
+lose every consumer's gradient (docs/upstream.md §1.2). Here each checkpointed chunk is a function of
 explicit tensors — (streams, pre_mix, compress_kv, index_k, topk, candidates) in, the same out — run through
 megatron-core's `tensor_parallel.checkpoint` with the config's `recompute_method` ('uniform' or 'block')
 and `recompute_num_layers`, so full recompute reproduces the no-recompute gradients.
@@ -20,18 +20,28 @@ from typing import Any, Optional
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.transformer.experimental_attention_variant.csa2_context_parallel import (
+    build_csa2_layout,
+    cp_spans,
+    span_positions,
+)
+from megatron.core.transformer.hyper_connection import (
+    collapse_streams,
+    decode_stage_payload,
+    encode_stage_payload,
+    pack_streams,
+    unpack_streams,
+)
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import make_viewless_tensor
 
 from dsv4flash.integrations.mcore.csa2.carry import CSA2Context, CSA2Tokens
-from dsv4flash.integrations.mcore.csa2.hyper_connection import pack_streams, unpack_streams
-from dsv4flash.integrations.mcore.csa2.layout import CPSpans, build_layout
-from dsv4flash.integrations.mcore.csa2.pipeline_payload import decode as decode_payload
-from dsv4flash.integrations.mcore.csa2.pipeline_payload import encode as encode_payload
 from dsv4flash.integrations.mcore.pipeline import stage_is_trainable
-from dsv4flash.model.hyper_connection import collapse
+from dsv4flash.model.state import CSA2State
 
 __all__ = ["CSA2TransformerBlock"]
+
+_INDEX_KEYS = 3  # payload part: streams, pre_mix, compress_kv, index_k, topk, candidates
 
 
 class CSA2TransformerBlock(TransformerBlock):
@@ -39,7 +49,8 @@ class CSA2TransformerBlock(TransformerBlock):
 
     A stage that does not start the stack reads its streams and the CSA2 state from the pipeline payload
     (`set_input_tensor`); one that does not end it returns the payload instead of the final hidden state
-    (`pipeline_payload.py`).
+    (DSV41-MCORE-010's `encode_stage_payload`: streams, `pre_mix` and the four CSA2 state tensors in one fp32
+    tensor, the state's layer ids as its meta; index keys leave the graph as at their producer).
     """
 
     def __init__(self, config: Any, spec: Any, post_layer_norm: bool = True, pre_process: bool = True,
@@ -48,9 +59,9 @@ class CSA2TransformerBlock(TransformerBlock):
                          post_process=post_process, pg_collection=pg_collection, vp_stage=vp_stage)
         text = config.dsv4.text
         self.hc = text.hc_mult
-        self.ratios = tuple(sorted({p.ratio for p in config.dsv4.backbone_plan if p.ratio}))
+        ratios = [p.ratio for p in config.dsv4.backbone_plan if p.ratio]
         ngram = text.engram_max_ngram_size if text.engram_layer_ids else 1
-        self.halo_width = max(text.sliding_window - 1, max(self.ratios, default=1) - 1, ngram - 1)
+        self.halo_width = max(text.sliding_window - 1, max(ratios, default=1) - 1, ngram - 1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Layers differ (Full/Reuse/Reindex, Engram), so they are never stacked into one sharded tensor."""
@@ -59,22 +70,25 @@ class CSA2TransformerBlock(TransformerBlock):
         return super().sharded_state_dict(prefix, sharded_offsets, metadata)
 
     # ---- micro-batch bookkeeping ------------------------------------------------------------------
-    def cp_spans(self, local_len: int, packed_seq_params: Any = None) -> Optional[CPSpans]:
-        """The context-parallel split of this micro-batch's tokens, or None without context parallelism.
+    def _cp_group(self) -> Any:
+        group = getattr(self.pg_collection, "cp", None)
+        return None if group is None or torch.distributed.get_world_size(group) == 1 else group
+
+    def cp_positions(self, local_len: int, packed_seq_params: Any = None) -> Optional[torch.Tensor]:
+        """Global slots [local_len] of this rank's tokens, or None without context parallelism.
 
         A THD-packed micro-batch is split per document ('zigzag', megatron-core's `get_batch_on_this_cp_rank`
         with `cu_seqlens`) or as one packed row ('contiguous'); `packed_seq_params` describes the global row.
         """
-        group = getattr(self.pg_collection, "cp", None)
-        if group is None or torch.distributed.get_world_size(group) == 1:
+        group = self._cp_group()
+        if group is None:
             return None
-        size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-        if packed_seq_params is None:
-            return CPSpans.build(self.config.cp_layout, size, rank, local_len, group)
-        bounds = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
-        if bounds is None:
-            bounds = packed_seq_params.cu_seqlens_q
-        return CPSpans.build_packed(self.config.cp_layout, size, rank, local_len, bounds.tolist(), group)
+        size = torch.distributed.get_world_size(group)
+        bounds = [0, local_len * size]
+        if packed_seq_params is not None:
+            padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+            bounds = (padded if padded is not None else packed_seq_params.cu_seqlens_q).tolist()
+        return span_positions(cp_spans(size, bounds, self.config.cp_layout)[torch.distributed.get_rank(group)])
 
     def build_tokens(self, hidden_states: torch.Tensor, *, packed_seq_params: Any = None,
                      padding_mask: Optional[torch.Tensor] = None, image_mask: Optional[torch.Tensor] = None,
@@ -82,10 +96,8 @@ class CSA2TransformerBlock(TransformerBlock):
         """Layout + constants for a micro-batch whose embeddings are `hidden_states` [s, b, h] (only the
         shape and device are read: later pipeline stages pass any [s, b, ...] tensor)."""
         seq_len, batch = hidden_states.shape[:2]
-        layout = build_layout(batch, seq_len, self.ratios, halo_width=self.halo_width, padding_mask=padding_mask,
-                              packed_seq_params=packed_seq_params,
-                              cp=self.cp_spans(seq_len, packed_seq_params),
-                              device=hidden_states.device)
+        layout = build_csa2_layout(batch, seq_len, hidden_states.device, self.halo_width, packed_seq_params,
+                                   self._cp_group(), padding_mask=padding_mask, cp_split=self.config.cp_layout)
         if padding_mask is None and not bool(layout.valid.all()):
             # Padding slots of a packed batch: the MoE router must see them as padding too.
             padding_mask = ~layout.valid
@@ -123,14 +135,17 @@ class CSA2TransformerBlock(TransformerBlock):
             payload = self.input_tensor[0] if isinstance(self.input_tensor, (list, tuple)) else self.input_tensor
             if payload is None:
                 raise ValueError("CSA2 pipeline stage: no input tensor was set (set_input_tensor)")
-            streams, ctx = decode_payload(payload, csa2_tokens)
+            (streams, pre_mix, *state), meta = decode_stage_payload(payload, detach=(_INDEX_KEYS,))
+            if streams is None or pre_mix is None:
+                raise ValueError("CSA2 pipeline stage: the payload carries no streams / pre_mix")
+            ctx = CSA2Context(pre_mix=pre_mix, state=CSA2State.from_parts(tuple(state), meta), tokens=csa2_tokens)
         recompute = self.config.recompute_granularity == "full" and self.training
         if (recompute and torch.is_grad_enabled() and not streams.requires_grad
                 and stage_is_trainable([self])):
-            # A frozen embedding (or a stage input detached by the pipeline early stop) would leave every
-            # checkpointed chunk without a grad input, and trainable layers inside (LoRA) would get no
-            # gradient; the same fix Megatron-Bridge applies (P16). A stage with nothing trainable keeps
-            # its graph empty, so its backward is skipped.
+            # A frozen embedding (or a stage input detached by the pipeline early stop) would leave every checkpointed
+            # chunk without a grad input, and trainable layers inside (LoRA) would get no gradient; the same fix
+            # Megatron-Bridge applies (docs/upstream.md §2.3). A stage with nothing trainable keeps its graph empty,
+            # so its backward is skipped.
             streams = streams.detach().requires_grad_(True)
         run = dict(attention_mask=attention_mask, packed_seq_params=packed_seq_params, padding_mask=padding_mask)
         if recompute:
@@ -138,8 +153,8 @@ class CSA2TransformerBlock(TransformerBlock):
         else:
             streams, ctx = self._run_layers(0, len(self.layers), streams, ctx, run)
         if not self.post_process:
-            return encode_payload(streams, ctx)  # [N, 1, 1] fp32, to the next stage
-        hidden = collapse(unpack_streams(streams, self.hc), ctx.pre_mix)  # [s,b,D]
+            return encode_stage_payload((streams, *ctx.to_tensors()), ctx.state.meta())  # [N, 1, 1] fp32
+        hidden = collapse_streams(unpack_streams(streams, self.hc), ctx.pre_mix)  # [s,b,D]
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return make_viewless_tensor(inp=hidden, requires_grad=True, keep_graph=True)

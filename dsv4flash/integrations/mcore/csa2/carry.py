@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from dsv4flash.integrations.mcore.csa2.layout import TokenLayout
+from megatron.core.transformer.experimental_attention_variant.csa2_layout import CSA2TokenLayout
+
 from dsv4flash.model.state import CSA2State
 
 __all__ = ["CSA2Tokens", "CSA2Context", "CARRY_TENSORS"]
@@ -26,7 +27,7 @@ CARRY_TENSORS = 1 + len(CSA2State().tensors())  # pre_mix + compress_kv, index_k
 class CSA2Tokens:
     """Per-micro-batch constants every layer reads (no gradients)."""
 
-    layout: TokenLayout
+    layout: CSA2TokenLayout  # DSV41-MCORE-008/009's token layout (packing, padding, context parallelism)
     padding_mask: Optional[torch.Tensor] = None  # [b, s] bool, True = padding (megatron-core convention)
     image_mask: Optional[torch.Tensor] = None  # [b, s] bool, True on image-span tokens (selects bias_vl)
     engram_rows: tuple[torch.Tensor, ...] = ()  # per Engram layer: row ids [s, b, n_orders·n_heads]

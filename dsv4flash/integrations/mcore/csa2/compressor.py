@@ -1,4 +1,4 @@
-"""KV compressor of a CSA2 Full layer as a Megatron module (architecture.md §2.4), packing- and CP-aware.
+"""KV compressor of a CSA2 Full layer as a Megatron module (docs/architecture.md §2.4), packing- and CP-aware.
 
 The work splits in two so that a group may straddle a context-parallel boundary: `token_inputs` is
 per token (values and gate scores for ratio > 1, the normalised latent for ratio 1) and can travel in the
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
+from megatron.core.transformer.experimental_attention_variant.csa2_layout import CSA2GroupTable as GroupTable
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from dsv4flash.integrations.mcore.csa2.layout import GroupTable
 from dsv4flash.integrations.mcore.csa2.modules import KeepFP32, build_linear, linear_forward
 
 __all__ = ["CompressorSubmodules", "CSA2Compressor"]
@@ -58,9 +58,9 @@ class CSA2Compressor(KeepFP32, MegatronModule):
         """Extended-axis token inputs [B,E,...] -> latents of the owned groups [B,N,hd] in `dtype` (unrotated)."""
         batch = inputs.shape[0]
         if self.ratio == 1:
-            idx = table.owner_slot.unsqueeze(-1).expand(-1, -1, inputs.shape[-1])
+            idx = table.members[..., -1:].expand(-1, -1, inputs.shape[-1])  # the group's one token
             return inputs.gather(1, idx)
-        members = table.members()  # [B,N,r]
+        members = table.members  # [B,N,r]
         n = members.shape[1]
         flat = members.reshape(batch, n * self.ratio)
         idx = flat.view(batch, -1, 1, 1).expand(-1, -1, 2, inputs.shape[-1])

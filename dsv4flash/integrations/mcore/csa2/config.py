@@ -14,10 +14,10 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.experimental_attention_variant.csa2_context_parallel import CP_SPLITS as CP_LAYOUTS
+from megatron.core.transformer.hyper_connection import HyperConnectionTransformerConfig
 
 from dsv4flash.config import DSV41FlashConfig, load_config
-from dsv4flash.integrations.mcore.csa2.context_parallel import CP_LAYOUTS
 
 __all__ = ["CSA2TransformerConfig", "transformer_config_from", "CP_LAYOUTS"]
 
@@ -26,8 +26,9 @@ _SELECTIVE_OK = {"core_attn", "moe", "moe_act", "shared_experts"}
 
 
 @dataclass
-class CSA2TransformerConfig(TransformerConfig):
-    """TransformerConfig + `dsv4` (the V4.1 config) + how context-parallel ranks split the sequence."""
+class CSA2TransformerConfig(HyperConnectionTransformerConfig):
+    """The mHC TransformerConfig (DSV41-MCORE-010) + `dsv4` (the V4.1 config) + how context-parallel ranks split
+    the sequence."""
 
     dsv4: Optional[DSV41FlashConfig] = None
     """The V4.1 config the CSA2 layers read their shapes and layer plan from (required)."""
@@ -49,6 +50,9 @@ class CSA2TransformerConfig(TransformerConfig):
             ("num_attention_heads", self.num_attention_heads, text.num_attention_heads),
             ("num_moe_experts", self.num_moe_experts, text.n_routed_experts),
             ("moe_router_topk", self.moe_router_topk, text.num_experts_per_tok),
+            ("hc_mult", self.hc_mult, text.hc_mult),
+            ("hc_sinkhorn_iters", self.hc_sinkhorn_iters, text.hc_sinkhorn_iters),
+            ("hc_eps", self.hc_eps, text.hc_eps),
         )
         for name, got, want in checks:
             if got != want:
@@ -62,7 +66,7 @@ class CSA2TransformerConfig(TransformerConfig):
             raise ValueError("CSA2TransformerConfig.sequence_parallel is not supported by the CSA2 stack "
                              "(the shared CSA2 state is per sequence, not per sequence shard)")
         if self.pipeline_model_parallel_size > 1:
-            # Stages exchange one fp32 payload of variable size (streams + CSA2 state, pipeline_payload.py).
+            # Stages exchange one fp32 payload of variable size (streams + CSA2 state, DSV41-MCORE-010's stage payload).
             if not self.variable_seq_lengths:
                 raise ValueError("CSA2TransformerConfig.variable_seq_lengths must be True with "
                                  "pipeline_model_parallel_size > 1: the CSA2 stage payload (streams + cross-layer "
@@ -108,6 +112,9 @@ def transformer_config_from(cfg: "DSV41FlashConfig | str", **overrides: Any) -> 
         ffn_hidden_size=text.moe_intermediate_size,
         normalization="RMSNorm",
         layernorm_epsilon=text.rms_norm_eps,
+        hc_mult=text.hc_mult,
+        hc_sinkhorn_iters=text.hc_sinkhorn_iters,
+        hc_eps=text.hc_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         activation_func_clamp_value=text.swiglu_limit,

@@ -1,4 +1,4 @@
-"""Lightning indexer and hierarchical candidates as a Megatron module (architecture.md §2.5), packing-aware.
+"""Lightning indexer and hierarchical candidates as a Megatron module (docs/architecture.md §2.5), packing-aware.
 
 Scores are computed for all queries against the row's entries at once. The discrete steps (candidate
 blocks, top-k) are taken per sequence: queries are grouped by their sequence's entry count T and each group
@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Union
 
 import torch
+from megatron.core.transformer.experimental_attention_variant.csa2_layout import CSA2GroupTable as GroupTable
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from dsv4flash.integrations.mcore.csa2.layout import GroupTable
 from dsv4flash.integrations.mcore.csa2.modules import build_linear, linear_forward
 from dsv4flash.model.indexer import topk_select
 from dsv4flash.model.quant import fake_quant_index

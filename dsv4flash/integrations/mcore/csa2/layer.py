@@ -1,8 +1,9 @@
-"""One V4.1 block as a megatron-core `TransformerLayer` (architecture.md §2.2): [Engram] → mHC(attn) → mHC(MoE).
+"""One V4.1 block as a megatron-core `TransformerLayer` (docs/architecture.md §2.2): [Engram], mHC(attn), mHC(MoE).
 
 The stock slots keep their stock meaning — `input_layernorm` (attn_norm), `self_attention` (CSA2),
-`pre_mlp_layernorm` (ffn_norm), `mlp` (MoE) — and two slots are added: `hyper_connection` (the mHC
-coefficients) and `engram` (only on Engram layers). The calling convention is the stock one:
+`pre_mlp_layernorm` (ffn_norm), `mlp` (MoE) — plus the mHC coefficients of the two sites
+(`self_attn_hyper_connection`, `mlp_hyper_connection`: DSV41-MCORE-010's `HyperConnection`) and `engram` (only
+on Engram layers). The calling convention is the stock one:
 `layer(hidden_states=[s,b,hc·D], context=CSA2Context, ...) -> (hidden_states, context)`, where the
 context carries the lagged mHC `pre`, the shared CSA2 state and the micro-batch constants (see `carry.py`).
 
@@ -27,23 +28,26 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.hyper_connection import (
+    HyperConnectionTransformerLayerSubmodules,
+    collapse_streams,
+    expand_streams,
+    pack_streams,
+    unpack_streams,
+)
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from dsv4flash.integrations.mcore.csa2.carry import CSA2Context
-from dsv4flash.integrations.mcore.csa2.hyper_connection import pack_streams, unpack_streams
 from dsv4flash.model.engram import Engram
-from dsv4flash.model.hyper_connection import collapse, expand
 
 __all__ = ["CSA2LayerSubmodules", "CSA2TransformerLayer", "CSA2Engram"]
 
 
 @dataclass
-class CSA2LayerSubmodules(TransformerLayerSubmodules):
-    """`TransformerLayerSubmodules` plus the mHC coefficients and the optional Engram lookup."""
+class CSA2LayerSubmodules(HyperConnectionTransformerLayerSubmodules):
+    """The mHC layer's submodules plus the optional Engram lookup."""
 
-    hyper_connection: Union[ModuleSpec, type] = IdentityOp
     engram: Union[ModuleSpec, type, None] = None
 
 
@@ -63,7 +67,8 @@ class CSA2TransformerLayer(TransformerLayer):
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, **kwargs)
         self.plan = config.dsv4.backbone_plan[self.layer_number - 1]
         self.hc = config.dsv4.text.hc_mult
-        self.hyper_connection = build_module(submodules.hyper_connection, config=config)
+        self.self_attn_hyper_connection = build_module(submodules.self_attn_hyper_connection, config=config)
+        self.mlp_hyper_connection = build_module(submodules.mlp_hyper_connection, config=config)
         if self.plan.has_engram:
             if submodules.engram is None:
                 raise ValueError(f"layer {self.plan.layer_id} has an Engram lookup but its spec has no `engram` "
@@ -108,15 +113,15 @@ class CSA2TransformerLayer(TransformerLayer):
                                  "and pass them to the block as csa2_tokens")
             x = self.engram(x, tokens.engram_rows[self.plan.engram_index], tokens.engram_token_mask())
         residual = x
-        attn_pre, attn_post, attn_comb = self.hyper_connection("attn", x)
-        y, state = self.self_attention(self.input_layernorm(collapse(x, context.pre_mix)), context.state,
+        attn_pre, attn_post, attn_comb = self.self_attn_hyper_connection(x)
+        y, state = self.self_attention(self.input_layernorm(collapse_streams(x, context.pre_mix)), context.state,
                                        tokens.layout, context.selections)  # [s,b,D]
-        x = expand(y, residual, attn_post, attn_comb)
+        x = expand_streams(y, residual, attn_post, attn_comb)
         residual = x
-        ffn_pre, ffn_post, ffn_comb = self.hyper_connection("ffn", x)
-        h = self.pre_mlp_layernorm(collapse(x, attn_pre))
+        ffn_pre, ffn_post, ffn_comb = self.mlp_hyper_connection(x)
+        h = self.pre_mlp_layernorm(collapse_streams(x, attn_pre))
         y = self._mlp(h, tokens)
-        x = expand(y, residual, ffn_post, ffn_comb)
+        x = expand_streams(y, residual, ffn_post, ffn_comb)
         return pack_streams(x), context.advance(ffn_pre, state)
 
     def _mlp(self, h: torch.Tensor, tokens) -> torch.Tensor:

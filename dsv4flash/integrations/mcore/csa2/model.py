@@ -4,9 +4,11 @@
 packed_seq_params, padding_mask)` follows `GPTModel.forward`: logits [b, s, V] without labels, per-token
 loss [b, s] with them. Image spans (`token_types >= 0`) pick `bias_vl` in the router and take no Engram
 delta. Their embeddings come from the model's own ViT + aligner (`vision_model`, `vision_projection`, first
-pipeline stage, frozen by default) given `pixel_values` [Σ n_h·n_w, 3·p·p] and `image_grid_hw` [n_images, 2]
-(`csa2/vision.py`), with the `embedding.image_start / image_newline / image_end` delimiter vectors, as
-the reference fills them; or pass ready embeddings through `decoder_input` ([s, b, h]).
+pipeline stage, frozen by default) given `pixel_values` [Σ n_h·n_w, 3·p·p] and `image_grid_hw` [n_images, 2],
+with the `embedding.image_start / image_newline / image_end` delimiter vectors, as the reference fills them;
+or pass ready embeddings through `decoder_input` ([s, b, h]). The ViT and aligner are megatron-bridge's
+upstream-form modules (`models/deepseek_v41/deepseek_v41_vision.py`, DSV41-MBRIDGE-006: the installed
+package, else its twin's files).
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ from megatron.core.models.common.embeddings.language_model_embedding import Lang
 from megatron.core.enums import ModelType
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.experimental_attention_variant.csa2_context_parallel import CSA2PartitionedLayout
 
 from dsv4flash.integrations.mcore.csa2.block import CSA2TransformerBlock
 from dsv4flash.integrations.mcore.csa2.carry import CSA2Tokens
 from dsv4flash.integrations.mcore.csa2.config import with_dtype
 from dsv4flash.integrations.mcore.csa2.modules import KeepFP32
-from dsv4flash.integrations.mcore.csa2.vision import (DSV41VisionModel, DSV41VisionProjection, split_images,
-                                                      vision_transformer_config)
 from dsv4flash.model.engram import EngramHasher
 
 __all__ = ["DSV41MegatronModel"]
@@ -71,10 +72,28 @@ class DSV41MegatronModel(KeepFP32, LanguageModule):
                                                      tp_group=self.tp_group)
 
     def _build_vision(self, config: Any) -> None:
-        vision, text = config.dsv4.vision, config.dsv4.text
-        vision_config = vision_transformer_config(config)
-        self.vision_model = DSV41VisionModel(vision_config, vision.patch_size, vision.rope_theta)
-        self.vision_projection = DSV41VisionProjection(vision_config, text.hidden_size, vision.downsample_ratio)
+        from types import SimpleNamespace
+
+        from dsv4flash.integrations.mbridge.patches.deepseek_v41_vision import vision_module
+
+        vit = vision_module()
+        from megatron.bridge.models.deepseek_v41.deepseek_v41_bridge import vision_provider_kwargs_from_hf
+
+        text = config.dsv4.text
+        # The provider fields the upstream ViT reads: the release `vision_config` translated as the bridge does,
+        # the text model's tensor-parallel size, dtype and init.
+        fields = SimpleNamespace(**vision_provider_kwargs_from_hf(config.dsv4.to_hf()),
+                                 init_method_std=text.initializer_range,
+                                 **{k: getattr(config, k) for k in ("tensor_model_parallel_size", "params_dtype",
+                                                                    "bf16", "fp16", "use_cpu_initialization",
+                                                                    "perform_initialization")})
+        vision_config = vit.get_deepseek_v41_vision_config(fields)
+        self.vision_model = vit.DeepSeekV41VisionModel(vision_config, vit.get_deepseek_v41_vision_layer_spec(),
+                                                       fields.vision_patch_size, fields.vision_rope_theta)
+        self.vision_projection = vit.DeepSeekV41VisionProjection(
+            vit.get_deepseek_v41_vision_projection_config(vision_config, text.hidden_size),
+            vit.get_deepseek_v41_vision_projection_spec(), vision_hidden_size=fields.vision_hidden_size,
+            ratio=fields.vision_downsample_ratio)
         for name in ("image_start", "image_newline", "image_end"):  # REF init: N(0, std) like the embedding
             vector = torch.empty(text.hidden_size, dtype=config.params_dtype)
             if config.perform_initialization:
@@ -108,8 +127,10 @@ class DSV41MegatronModel(KeepFP32, LanguageModule):
         if self.config.context_parallel_size > 1:
             raise ValueError("DSV41MegatronModel: pixel_values with context parallelism are not supported (a rank "
                              "holds part of each span); embed the images first and pass decoder_input")
-        rows = [self.vision_projection(self.vision_model(patches, grid), grid)
-                for patches, grid in split_images(pixel_values, image_grid_hw)]  # each [H'W', h]
+        from megatron.bridge.models.deepseek_v41.deepseek_v41_vision import encode_images, split_images
+
+        rows = encode_images(self.vision_model, self.vision_projection,
+                             split_images(pixel_values, image_grid_hw))  # each [H'W', h]
         e = self.embedding
         filled = fill_image_embeddings(embeddings.transpose(0, 1), token_types, rows, e.image_start,
                                        e.image_newline, e.image_end)  # [b, s, h]
@@ -135,12 +156,13 @@ class DSV41MegatronModel(KeepFP32, LanguageModule):
             return tokens
         layout = tokens.layout
         types = token_types if token_types is not None else torch.full_like(input_ids, -1)
-        if layout.halo is not None:  # context parallel: n-grams reach back into the previous rank's tokens
+        partitioned = isinstance(layout, CSA2PartitionedLayout)
+        if partitioned:  # context parallel: n-grams reach back into the previous rank's tokens
             ids, types, positions = layout.extend_ids(input_ids), layout.extend_ids(types), layout.ext_pos
         else:
             ids, positions = input_ids, (layout.pos if packed_seq_params is not None else None)
         rows = self.engram_hasher(ids, types, position_ids=positions)  # per layer [b, E, cols]
-        if layout.halo is not None:
+        if partitioned:
             rows = [r[:, layout.local_slots] for r in rows]
         return dataclasses.replace(tokens, engram_rows=tuple(r.transpose(0, 1).contiguous() for r in rows))
 

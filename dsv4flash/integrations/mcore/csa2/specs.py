@@ -20,12 +20,12 @@ from typing import Any, Optional
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.hyper_connection import HyperConnection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from dsv4flash.integrations.mcore.csa2.attention import CSA2AttentionSubmodules, CSA2SelfAttention
 from dsv4flash.integrations.mcore.csa2.compressor import CompressorSubmodules, CSA2Compressor
-from dsv4flash.integrations.mcore.csa2.hyper_connection import CSA2HyperConnection
 from dsv4flash.integrations.mcore.csa2.indexer import CSA2Indexer, IndexerSubmodules
 from dsv4flash.integrations.mcore.csa2.layer import CSA2Engram, CSA2LayerSubmodules, CSA2TransformerLayer
 from dsv4flash.integrations.mcore.csa2.modules import CSA2RMSNorm
@@ -90,7 +90,8 @@ def get_csa2_layer_spec(config: Any, layer_id: int, *, backend: str = "local", m
             self_attention=attention,
             pre_mlp_layernorm=norm,
             mlp=_moe_spec(config.num_moe_experts, mods["provider"], moe_grouped_gemm),
-            hyper_connection=CSA2HyperConnection,
+            self_attn_hyper_connection=HyperConnection,
+            mlp_hyper_connection=HyperConnection,
             engram=(engram or CSA2Engram) if plan.has_engram else None,
         ),
     )

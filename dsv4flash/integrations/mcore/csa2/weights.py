@@ -50,7 +50,7 @@ def name_map(cfg: DSV41FlashConfig, parts: tuple[str, ...] = ("text",)) -> list[
     """Every Megatron tensor of the text model (and of the ViT + aligner with `parts=("text", "vision")`) with
     its reference source(s), in model order: the bridge's name table (`dsv4flash_bridge.mapping`, one truth for
     the converter, Megatron-Bridge and this loader) applied to the reference model's tensors."""
-    from dsv4flash.census import logical_shapes
+    from dsv4flash.release.census import logical_shapes
     from dsv4flash_bridge.mapping import resolve
 
     return [NamePair(m.megatron, m.reference, m.layout, m.expert, m.transform)

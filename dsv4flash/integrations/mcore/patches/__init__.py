@@ -1,6 +1,6 @@
 """Runtime twins for megatron-core, one module per upstream change (Patch-Id `DSV41-MCORE-NNN`).
 
-Every module here registers itself with `dsv4flash._patching.runtime_patch`; `_patching.discover()`
+Every module here registers itself with `dsv4flash.patching.twins.runtime_patch`; `twins.discover()`
 imports them all. The upstream form of each lives in `patches/megatron-lm/` under the same Patch-Id.
 """
 
@@ -9,7 +9,7 @@ import importlib
 import importlib.util
 from pathlib import Path
 
-from dsv4flash._patching import MARKER, runtime_patch
+from dsv4flash.patching.twins import MARKER, runtime_patch
 
 # What every megatron-core 0.19 twin shares: target, distribution, upstream status, when to remove it (a twin
 # passes its own version window, and overrides the status where it is a backport).

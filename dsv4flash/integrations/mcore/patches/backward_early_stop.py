@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.mcore.patches import mcore_twin
 
 TOUCHES = (

@@ -18,7 +18,7 @@ modules of this patch alone; 011's twin checks the shipped file carries it.
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.mcore.patches import mcore_twin, provide_upstream_files, upstream_ships
 
 # Upstream module -> its file under UPSTREAM_SOURCES (= its path in the Megatron-LM repository), in import order.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 
-from dsv4flash._patching import MARKER, Patcher
+from dsv4flash.patching.twins import MARKER, Patcher
 from dsv4flash.integrations.mcore.patches import mcore_twin, provide_upstream_files
 
 CSA2 = "megatron.core.transformer.experimental_attention_variant.csa2"

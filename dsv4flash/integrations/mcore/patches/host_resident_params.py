@@ -20,7 +20,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.mcore.patches import mcore_twin
 
 TOUCHES = (

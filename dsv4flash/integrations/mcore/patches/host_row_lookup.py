@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.mcore.patches import mcore_twin
 
 MODULE = "megatron.core.models.common.embeddings.host_embedding"
@@ -106,7 +106,7 @@ def upstream_has_host_row_lookup() -> bool:
     """Probe: does the installed megatron-core ship a HostRowLookupTable that gathers rows and marks them?"""
     import importlib
 
-    from dsv4flash._patching import MARKER
+    from dsv4flash.patching.twins import MARKER
 
     try:
         module = importlib.import_module(MODULE)

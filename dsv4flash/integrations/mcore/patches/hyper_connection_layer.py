@@ -14,7 +14,7 @@ executes the patch's own files (`_upstream/`, byte-identical) as those modules o
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.mcore.patches import mcore_twin, provide_upstream_files, upstream_ships
 
 MODULES = {

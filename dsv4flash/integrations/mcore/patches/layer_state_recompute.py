@@ -22,7 +22,7 @@ import contextlib
 import functools
 from typing import TYPE_CHECKING, List, Optional, Set, Tuple, Union
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.mcore.patches import mcore_twin
 
 if TYPE_CHECKING:  # the upstream signature's annotations; megatron-core is imported only when the twin installs

@@ -24,7 +24,7 @@ import functools
 import inspect
 from typing import TYPE_CHECKING, List, Optional, Union
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.mcore.patches import mcore_twin
 from dsv4flash.integrations.mcore.patches import layer_state_recompute
 

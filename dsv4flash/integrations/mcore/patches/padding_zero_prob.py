@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.mcore.patches import mcore_twin
 from dsv4flash.integrations.mcore.patches import _routing
 

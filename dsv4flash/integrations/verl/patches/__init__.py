@@ -23,7 +23,7 @@ imports veRL; `install()` does.
 
 import functools
 
-from dsv4flash._patching import runtime_patch
+from dsv4flash.patching.twins import runtime_patch
 
 
 # What every veRL 0.9.1 twin shares: target, version window, upstream status, when to remove it.

@@ -15,7 +15,7 @@ a `.base_layer.` parameter. `resolve_weight_name` in the rollout worker and the 
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = (

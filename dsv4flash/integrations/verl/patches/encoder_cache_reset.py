@@ -4,7 +4,7 @@ Why: image embeddings depend on the vision tower and aligner weights, and with t
 adapter. vLLM keys its encoder cache by `mm_hash` (prefixed by `lora_name` under tower LoRA), and veRL serves
 every adapter version under the same name ("123"), so after a sync the engine keeps reusing image embeddings
 computed with the previous weights or adapter. veRL resets the encoder cache only in HYBRID mode
-(`_sleep_hybrid`); COLOCATED wake-ups reset the prefix cache only (P21).
+(`_sleep_hybrid`); COLOCATED wake-ups reset the prefix cache only (docs/upstream.md §3.4).
 
 How: `vLLMHttpServer.wake_up`, which follows every sync, also resets the encoder cache in every rollout mode
 that wakes the engine (HYBRID, COLOCATED). Recomputing embeddings once per sync is cheap next to a rollout.
@@ -12,7 +12,7 @@ that wakes the engine (HYBRID, COLOCATED). Recomputing embeddings once per sync 
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = ("verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer.wake_up",)

@@ -11,7 +11,7 @@ already maps it, and fp16/bf16 are `False`).
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = ("verl.workers.config.engine.McoreEngineConfig.__post_init__",)

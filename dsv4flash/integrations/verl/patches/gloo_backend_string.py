@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = (

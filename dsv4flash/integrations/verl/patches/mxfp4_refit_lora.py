@@ -1,10 +1,10 @@
 """Runtime twin of DSV41-VERL-002: the MXFP4 MoE refit finds the `Mxfp4MoEMethod` behind vLLM's LoRA wrapper.
 
 Why: with MoE LoRA, vLLM replaces `RoutedExperts.quant_method` with a `FusedMoEModularMethod` that keeps the
-original in `.old_quant_method` (P20). veRL's refit (`verl/utils/vllm/vllm_fp4_utils.py`) detects routed
-experts with `isinstance(module.quant_method, Mxfp4MoEMethod)` and reads the checkpoint layout and the
-backend from it, so under LoRA the experts are not staged and the refit stream writes checkpoint-layout
-bytes into kernel-layout storage, silently corrupting the rollout's experts.
+original in `.old_quant_method` (docs/upstream.md §3.3). veRL's refit (`verl/utils/vllm/vllm_fp4_utils.py`) detects
+routed experts with `isinstance(module.quant_method, Mxfp4MoEMethod)` and reads the checkpoint layout and the
+backend from it, so under LoRA the experts are not staged and the refit stream writes checkpoint-layout bytes into
+kernel-layout storage, silently corrupting the rollout's experts.
 
 How: detection, layout and backend come from the unwrapped method
 (`dsv4flash.integrations.verl.mxfp4.mxfp4_quant_method`); post-processing still goes through the module's own
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import types
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = (

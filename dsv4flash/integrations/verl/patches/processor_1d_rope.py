@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = ("verl.utils.tokenizer.tokenizer.hf_processor",)

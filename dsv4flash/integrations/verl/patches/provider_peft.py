@@ -12,7 +12,7 @@ returns; every other provider gets `create_peft` as before.
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = ("verl.workers.config.megatron_peft.get_peft_cls",)

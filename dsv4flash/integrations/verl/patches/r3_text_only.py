@@ -2,10 +2,10 @@
 
 Why: vLLM records the experts of each token of the compact prompt (one placeholder per image) and veRL's R3
 (`align_r3_router_replay_data`, `build_r3_replay_mask`) lines routes up with the training inputs row for row.
-DeepSeek-V4.1 trains on the expanded sequence, where each image is a span routed with the image bias
-`bias_vl`: rows no longer line up (R3 fails, or replays text routes onto image rows), and image rows must not
-be replayed at all (P26). veRL's own router patch on megatron-core 0.19.2 additionally rejects sqrtsoftplus
-and skips the expert bias (P28), so the routes must be replayed through dsv4flash's `ModalityTopKRouter`.
+DeepSeek-V4.1 trains on the expanded sequence, where each image is a span routed with the image bias `bias_vl`: rows
+no longer line up (R3 fails, or replays text routes onto image rows), and image rows must not be replayed at all
+(docs/upstream.md §4.2). veRL's own router patch on megatron-core 0.19.2 additionally rejects sqrtsoftplus and skips
+the expert bias (docs/upstream.md §4.2), so the routes must be replayed through dsv4flash's `ModalityTopKRouter`.
 
 How: a batch may carry `r3_row_map` (nested, the training row of each recorded route row, −1 = none) and
 `r3_native_rows` (nested, rows that always route natively), built by `dsv4flash.replay.r3_batch_keys`.
@@ -18,7 +18,7 @@ keys behave exactly as before.
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = (

@@ -11,7 +11,7 @@ CUDA (`GPU`) and NPU (`NPU`).
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = ("verl.single_controller.ray.base.ResourcePoolManager._check_resource_available",)

@@ -12,7 +12,7 @@ a no-op, with another class a `ValueError`.
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = ("verl.workers.rollout.base._ROLLOUT_REGISTRY",)

@@ -1,12 +1,12 @@
 """Runtime twin of DSV41-VERL-001: veRL's in-memory LoRA loader works on vLLM 0.33 and keeps what vLLM's does.
 
-Why: `VLLMHijack.hijack` replaces `LRUCacheWorkerLoRAManager._load_adapter` with a loader for
-`TensorLoRARequest`s that calls `hf_to_vllm_mapper.get_unstacked_mapper()` on vLLM >= 0.25; vLLM 0.33 renamed it
-`get_rename_mapper`, so every unmerged adapter sync to a model with a mapper (all of V4.1) raises
-`AttributeError` (P24). It also drops `lora_skip_prefixes` (V4.1's `mtp.` draft head), expert-parallel
-filtering, the `is_3d_lora_weight` flag of fused 3-D MoE adapters and the MoE-format / classifier checks
-(P25). A vLLM general plugin cannot fix it by patching `_load_adapter`: veRL's worker extension runs the
-hijack after vLLM's plugins and overwrites it (P23).
+Why: `VLLMHijack.hijack` replaces `LRUCacheWorkerLoRAManager._load_adapter` with a loader for `TensorLoRARequest`s
+that calls `hf_to_vllm_mapper.get_unstacked_mapper()` on vLLM >= 0.25; vLLM 0.33 renamed it `get_rename_mapper`, so
+every unmerged adapter sync to a model with a mapper (all of V4.1) raises `AttributeError` (docs/upstream.md §4.1).
+It also drops `lora_skip_prefixes` (V4.1's `mtp.` draft head), expert-parallel filtering, the `is_3d_lora_weight`
+flag of fused 3-D MoE adapters and the MoE-format / classifier checks (docs/upstream.md §4.1). A vLLM general plugin
+cannot fix it by patching `_load_adapter`: veRL's worker extension runs the hijack after vLLM's plugins and
+overwrites it (docs/upstream.md §4.1).
 
 How: wrap `VLLMHijack.hijack` so that after veRL installs its loader, the fixed one
 (`dsv4flash.integrations.verl.adapter_loader.load_adapter`) is installed on top; it is also installed right
@@ -17,7 +17,7 @@ the rename mapper, the model's skip prefixes, local experts only, the 3-D flag (
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = ("verl.utils.vllm.utils.VLLMHijack.hijack",)

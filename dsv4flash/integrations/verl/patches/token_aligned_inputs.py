@@ -15,7 +15,7 @@ returns the multimodal inputs for them; other processors (and audio) keep veRL's
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.verl.patches import verl_twin
 
 TOUCHES = ("verl.experimental.agent_loop.agent_loop.AgentLoopWorker._compute_multi_modal_inputs",)

@@ -41,6 +41,6 @@ def register() -> None:
 
 def register_when_imported() -> None:
     """Register as soon as the process imports veRL's rollout replicas (never imports veRL itself)."""
-    from dsv4flash.post_import import when_imported
+    from dsv4flash.patching.post_import import when_imported
 
     when_imported("verl.workers.rollout.replica", register)

@@ -1,6 +1,6 @@
 """The reference engine behind the dsv4flash rollout server: one resident base, the synced adapter bound per call.
 
-`RolloutEngine` holds the base once (`dsv4flash.service.compute.resident.ResidentBase`); an adapter sync never merges:
+`RolloutEngine` holds the base once (`dsv4flash.engine.resident.ResidentBase`); an adapter sync never merges:
 the received LoRA tensors become a placement shell's factors, plugged in for each generation (`bind`). A
 request is one prompt (compact: one `image_token_id` placeholder per image) sampled with the CSA2 decode
 cache (`dsv4flash.engine.sampling.generate`); the routes every MoE gate chose are recorded during that very
@@ -45,7 +45,7 @@ class RolloutEngine:
 
     def __init__(self, base_dir: str | Path, *, seed: int = 0, dtype: str = "float32") -> None:
         from dsv4flash.engine import model_io
-        from dsv4flash.service.compute.resident import ResidentBase
+        from dsv4flash.engine.resident import ResidentBase
 
         if dtype not in DTYPES:
             raise ValueError(f"actor_rollout_ref.rollout.dtype={dtype!r}: the dsv4flash rollout computes in one of "
@@ -53,7 +53,8 @@ class RolloutEngine:
         self.autocast = DTYPES[dtype]
         base_dir = Path(base_dir)
         model_io.read_manifest(base_dir)  # a clear error when the path is not a dsv4flash base directory
-        self.base = ResidentBase(str(base_dir / "config.json"), base_dir=base_dir)
+        # the CPU rollout replica (fp32 base, `autocast` for the rollout dtype); CUDA rollouts are vLLM's
+        self.base = ResidentBase(str(base_dir / "config.json"), base_dir=base_dir, device="cpu", dtype="float32")
         self.cfg = self.base.cfg
         self.adapter: tuple | None = None  # (LoraConfig placement, canonical tensors)
         self.version = 0  # adapter syncs applied
@@ -111,12 +112,10 @@ class RolloutEngine:
                  ignore_eos: bool = False, record_routes: bool = False) -> Generation:
         """Sample one continuation of `prompt_ids` (compact or with expanded image spans; images given separately)
         with the current adapter; routes and prompt log-probs are always in the compact layout."""
-        from dsv4flash.engine.sampling import generate
+        from dsv4flash.engine.sampling import Sampling, check_sampling_params, generate
         from dsv4flash.model.image import (TEXT, ImageInput, compact_image_placeholders, prepare_vl_inputs,
                                            preprocess_image)
         from dsv4flash.replay import reference
-        from dsv4flash.service.compute.sampling import process_logits
-        from dsv4flash.service.types import SamplingParams
 
         unknown = sorted(set(sampling_params) - _KNOWN_PARAMS)
         if unknown:
@@ -125,10 +124,9 @@ class RolloutEngine:
         if float(sampling_params.get("repetition_penalty", 1.0)) != 1.0:
             raise ValueError(f"dsv4flash rollout: sampling_params.repetition_penalty must be 1.0, got "
                              f"{sampling_params['repetition_penalty']!r}")
-        params = SamplingParams(max_tokens=max_tokens, temperature=float(sampling_params.get("temperature", 1.0)),
-                                top_k=int(sampling_params.get("top_k", -1)),
-                                top_p=float(sampling_params.get("top_p", 1.0)), seed=sampling_params.get("seed"))
-        params.check()
+        temperature, top_k = float(sampling_params.get("temperature", 1.0)), int(sampling_params.get("top_k", -1))
+        top_p, seed = float(sampling_params.get("top_p", 1.0)), sampling_params.get("seed")
+        check_sampling_params(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         top_prompt = sampling_params.get("prompt_logprobs")
         if top_prompt is not None and (isinstance(top_prompt, bool) or not isinstance(top_prompt, int)
                                        or top_prompt < 0):
@@ -148,22 +146,23 @@ class RolloutEngine:
         else:
             ids = torch.as_tensor(prompt_ids, dtype=torch.int64)
             types, inputs = torch.full_like(ids, TEXT), []
-        seed = params.seed if params.seed is not None else self.next_seed()
+        seed = seed if seed is not None else self.next_seed()
         gen = torch.Generator().manual_seed(int(seed))
-        eos = -1 if ignore_eos else self.cfg.eos_token_id
+        eos = None if ignore_eos else self.cfg.eos_token_id
+        sampling = Sampling(temperature, top_k, top_p)
         with self._model() as (model, version):
             recorder = reference.record_routes(model) if record_routes else contextlib.nullcontext([])
             with recorder as records:
-                out = generate(model, [(ids, types, inputs)], max_new_tokens=params.max_tokens, eos_id=eos,
-                               pad_id=self.cfg.pad_token_id, temperature=params.temperature, generator=gen,
-                               autocast_dtype=self.autocast, logprobs_fn=lambda last: process_logits(last, params))
+                out = generate(model, [(ids, types, inputs)], max_new_tokens=max_tokens, eos_id=eos,
+                               pad_id=self.cfg.pad_token_id, sampling=sampling, generator=gen,
+                               autocast_dtype=self.autocast)
             if top_prompt is None:
                 scored = None
             else:
                 with torch.autocast("cpu", dtype=self.autocast, enabled=self.autocast is not None):
                     scored = prompt_logprobs(model, prompt_ids, ids, types, inputs, top_prompt)
         tokens = out.response(0)
-        log_probs = out.logprobs[0][out.mask[0]].tolist()
+        log_probs = out.response_logprobs(0)
         routes = _compact_routes(records, len(reference._gates(self.base.model)), types, len(tokens)) \
             if record_routes else None
         prompt_ids_out, prompt_lp = scored if scored is not None else (None, None)
@@ -173,11 +172,9 @@ class RolloutEngine:
     @contextlib.contextmanager
     def _model(self):
         """(model, adapter version) under the base lock: the shell with the adapter bound, or the bare base."""
-        from dsv4flash.service.compute.sampling import _plain
-
         with self.base.lock:  # re-entrant: `bind` takes it again; a sync swaps the adapter under it too
             adapter, version = self.adapter, self.version
-            with (_plain(self.base) if adapter is None else self.base.bind(*adapter)) as model:
+            with (self.base.bare() if adapter is None else self.base.bind(*adapter)) as model:
                 yield model, version
 
 
@@ -187,9 +184,10 @@ def prompt_logprobs(model, compact_ids: list[int], ids: torch.Tensor, types: tor
     """vLLM's prompt log-probs as veRL reads them (`extract_prompt_logprobs`): for compact prompt tokens 1 … S−1,
     k = 0: [[the token]] and [[its log-prob]]; k > 0: the top-k ids and log-probs of that position's
     distribution; then one dummy [0.0] row for the last position. Raw log-softmax (no temperature)."""
+    from dsv4flash.engine.sampling import next_token_logprobs
     from dsv4flash.replay import ImageSpanLayout
 
-    logp = torch.log_softmax(model(ids[None], types[None], inputs)[0].float(), dim=-1)  # [S_e, V]
+    logp = next_token_logprobs(model, ids, types, inputs)  # [S_e, V]
     rows = ImageSpanLayout.from_token_types(types).expanded_rows()  # compact -> expanded row
     before = logp[rows[1:] - 1]  # [S−1, V]: the distribution each compact token 1 … S−1 was drawn from
     if k == 0:

@@ -54,7 +54,7 @@ class ReleaseDecoder:
     def feed(self, name: str, t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         """The parameter this tensor completes, or None while its other half is outstanding."""
         from dsv4flash.integrations.verl.weight_names import strip_base_layer
-        from dsv4flash.quant_plan import quant_role
+        from dsv4flash.release.quant_plan import quant_role
         from dsv4flash_bridge import codecs
         from dsv4flash_bridge.convert_common import QUANTIZED
 

@@ -6,13 +6,13 @@
 | DSV41-VLLM-002 | `grouped_wo_a`      | block-diagonal `wo_a` LoRA layer + o-projection call site              |
 | DSV41-VLLM-003 | `compressor`        | compressor `fused_wkv_wgate` LoRA layer + fp32 score call site          |
 
-Each registers with `dsv4flash._patching.runtime_patch`; the upstream form of each lives in `patches/vllm/`
+Each registers with `dsv4flash.patching.twins.runtime_patch`; the upstream form of each lives in `patches/vllm/`
 under the same Patch-Id. Importing these modules never imports vLLM; `install()` does.
 """
 
 import functools
 
-from dsv4flash._patching import runtime_patch
+from dsv4flash.patching.twins import runtime_patch
 
 
 # What every vLLM 0.33 twin shares: target, version window, upstream status, when to remove it.

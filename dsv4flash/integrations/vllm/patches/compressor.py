@@ -4,7 +4,7 @@ Why: the compressor's `wkv`/`wgate` are fused into `compressor.fused_wkv_wgate` 
 but `DeepseekV4Attention._run_parallel_input_projections` computes the score as a raw
 `torch.mm(hidden_states, fused_wkv_wgate.weight.T, out_dtype=torch.float32)`. A LoRA-wrapped layer forwards
 `.weight` to its base, so compressor adapters load without error and never change the compressed KV
-(upstream.md §3.3, P18). The ratio-1 compressor (the CED source) has no gate, so the stock two-slice
+(docs/upstream.md §3.2). The ratio-1 compressor (the CED source) has no gate, so the stock two-slice
 merged-column LoRA layer does not fit it either.
 
 How: put `CompressorProjectionWithLoRA` first in `vllm.lora.utils._all_lora_classes` for modules whose prefix
@@ -15,7 +15,7 @@ adds that delta to the fp32 `kv_score` it returns, before pooling and quantisati
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.vllm.patches import vllm_twin
 
 TOUCHES = (

@@ -1,11 +1,11 @@
 """Runtime twin of DSV41-VLLM-002: LoRA on the grouped output projection `wo_a` is block-diagonal and applied.
 
 Why: V4.1's `wo_a` is a `ColumnParallelLinear` tagged `is_bmm`, run group by group inside the o-projection
-(`dsv41_o_proj` -> `deep_gemm_fp8_o_proj`, the fused SM100 WO-A kernel, the mega-attention `_o_proj`), which
-read `layer.wo_a.weight` directly. vLLM wraps it in a stock `ColumnParallelLinearWithLoRA` whose forward is
-never called, so a `wo_a` adapter loads without error and changes nothing (upstream.md §3.3, P18); the stock
-wrapper would also apply a dense (cross-group) delta. The mega-attention backend, the SM100 default, also
-permutes `wq_b` rows and `wo_a` columns in place, so stock LoRA deltas land on the wrong rows there (P29).
+(`dsv41_o_proj` -> `deep_gemm_fp8_o_proj`, the fused SM100 WO-A kernel, the mega-attention `_o_proj`), which read
+`layer.wo_a.weight` directly. vLLM wraps it in a stock `ColumnParallelLinearWithLoRA` whose forward is never called,
+so a `wo_a` adapter loads without error and changes nothing (docs/upstream.md §3.2); the stock wrapper would also
+apply a dense (cross-group) delta. The mega-attention backend, the SM100 default, also permutes `wq_b` rows and
+`wo_a` columns in place, so stock LoRA deltas land on the wrong rows there (docs/upstream.md §3.2).
 
 How: put `GroupedOutputProjectionWithLoRA` first in `vllm.lora.utils._all_lora_classes`; it stores per-group
 stacks (per-group or shared-A adapters, TP-sliced by group) and computes the block-diagonal delta of the
@@ -17,7 +17,7 @@ falls back to FlashMLA) and refuses an explicit selection.
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.vllm.patches import vllm_twin
 
 TOUCHES = (

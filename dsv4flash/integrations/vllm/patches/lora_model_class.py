@@ -16,7 +16,7 @@ adapter around its encode (the DP-sharded ViT path is bypassed while tower LoRA 
 
 from __future__ import annotations
 
-from dsv4flash._patching import Patcher
+from dsv4flash.patching.twins import Patcher
 from dsv4flash.integrations.vllm.patches import vllm_twin
 
 ARCH = "DeepseekV41ForCausalLM"

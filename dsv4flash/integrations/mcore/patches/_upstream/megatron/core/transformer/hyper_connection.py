@@ -14,7 +14,7 @@ so a stock ``TransformerBlock`` runs the stack unchanged.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -55,6 +55,91 @@ def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+def unpack_streams(hidden_states: torch.Tensor, hc_mult: int) -> torch.Tensor:
+    """Packed streams [s, b, n * h] -> [s, b, n, h] (a view)."""
+    s, b, width = hidden_states.shape
+    return hidden_states.view(s, b, hc_mult, width // hc_mult)
+
+
+def pack_streams(streams: torch.Tensor) -> torch.Tensor:
+    """Streams [s, b, n, h] -> the packed [s, b, n * h] that travels between layers."""
+    return streams.flatten(2)
+
+
+STAGE_PAYLOAD_DTYPE = torch.float32
+_PAYLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool)
+
+
+def encode_stage_payload(parts: Sequence[Optional[torch.Tensor]], meta: Sequence[int] = ()) -> torch.Tensor:
+    """The stream state at a pipeline-stage boundary as the one tensor the schedule sends: [N, 1, 1] fp32.
+
+    ``parts`` are the packed streams and the context tuple (the next collapse weights and any attention
+    layer state), each a 3-d tensor or None; ``meta`` are small integers that travel with them. A header
+    of exact fp32 integers (the counts, ``meta``, each part's dtype and shape) comes first, so the
+    receiver rebuilds every part without knowing its shape (the schedule's ``variable_seq_lengths``
+    mode exchanges the payload's size). Integers are exact in fp32 up to 2**24; bf16 parts travel
+    exactly. The float parts stay differentiable: the gradient the next stage sends back reaches them.
+    """
+    header = [len(meta), len(parts), *meta]
+    flat = []
+    device = next((p.device for p in parts if p is not None), None)
+    for part in parts:
+        if part is None:
+            header += [-1, 0, 0, 0]
+            continue
+        if part.dim() != 3:
+            raise ValueError(f"stage payload: parts must be 3-d, got {list(part.shape)}")
+        header += [_PAYLOAD_DTYPES.index(part.dtype), *part.shape]
+        flat.append(part.reshape(-1).to(STAGE_PAYLOAD_DTYPE))
+    head = torch.tensor(header, dtype=STAGE_PAYLOAD_DTYPE, device=device)
+    return torch.cat([head, *flat]).view(-1, 1, 1)
+
+
+def decode_stage_payload(
+    payload: torch.Tensor, detach: Sequence[int] = ()
+) -> Tuple[List[Optional[torch.Tensor]], Tuple[int, ...]]:
+    """Inverse of ``encode_stage_payload``: (parts as views of the payload, meta).
+
+    Integer and bool parts carry no gradient; float parts whose index is in ``detach`` leave the graph.
+    """
+    flat = payload.reshape(-1)
+    if flat.numel() < 2:
+        raise ValueError(f"stage payload of {flat.numel()} values is shorter than its header")
+    n_meta, n_parts = (int(v) for v in flat[:2].detach().tolist())
+    size = 2 + n_meta + 4 * n_parts
+    if n_meta < 0 or n_parts < 0 or flat.numel() < size:
+        raise ValueError(
+            f"stage payload of {flat.numel()} values is shorter than its {size}-value header "
+            "(was the previous stage built with the same layers?)"
+        )
+    header = [int(v) for v in flat[:size].detach().tolist()]
+    meta, offset = tuple(header[2 : 2 + n_meta]), size
+    parts: List[Optional[torch.Tensor]] = []
+    for i in range(n_parts):
+        code, *shape = header[2 + n_meta + 4 * i : 6 + n_meta + 4 * i]
+        if code < 0:
+            parts.append(None)
+            continue
+        n = shape[0] * shape[1] * shape[2]
+        if offset + n > flat.numel():
+            raise ValueError(f"stage payload: part {i} needs {n} values past {offset}, {flat.numel()} sent")
+        value = flat[offset : offset + n].view(shape)
+        dtype = _PAYLOAD_DTYPES[code]
+        if dtype == torch.bool:
+            value = value.detach() > 0.5
+        elif dtype == torch.int64:
+            value = value.detach().round().to(torch.int64)
+        elif i in detach:
+            value = value.detach().to(dtype)
+        else:
+            value = value.to(dtype)
+        parts.append(value)
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"stage payload: {flat.numel() - offset} values left over after the header's parts")
+    return parts, meta
+
+
 def collapse_streams(streams: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """streams [s, b, n, h], weights [s, b, n] -> sum_i w_i * X_i [s, b, h] (accumulated in fp32)."""
     return torch.einsum("sbnh,sbn->sbh", streams.float(), weights.float()).to(streams.dtype)
@@ -76,7 +161,8 @@ class HyperConnection(MegatronModule):
 
     Parameters: ``fn`` [(2 + n) * n, n * h] projects the RMS-normalised streams, ``base`` [(2 + n) * n]
     is added, ``scale`` [3] scales the pre / post / comb parts. The coefficients are computed in fp32.
-    Parameters are replicated over tensor-parallel ranks (every rank holds whole streams).
+    Parameters are replicated over tensor-parallel ranks (every rank holds whole streams) and stay fp32
+    when the model is cast to half precision (``Float16Module`` calls ``.bfloat16()`` / ``.half()``).
     """
 
     def __init__(self, config: HyperConnectionTransformerConfig, **kwargs):
@@ -91,6 +177,15 @@ class HyperConnection(MegatronModule):
             config.init_method(self.fn)
         self.base = torch.nn.Parameter(torch.zeros(coefficients, dtype=torch.float32))
         self.scale = torch.nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        """nn.Module._apply, keeping the exact fp32 values of the coefficient parameters across a cast."""
+        saved = {name: param.data for name, param in self.named_parameters(recurse=False)}
+        out = super()._apply(fn, recurse)
+        for name, param in self.named_parameters(recurse=False):
+            if param.dtype != torch.float32 and not param.is_meta:
+                param.data = saved[name].to(device=param.device)
+        return out
 
     def forward(self, streams: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [s, b, n, h] -> (pre [s, b, n], post [s, b, n], comb [s, b, n, n] as [in, out])."""
@@ -172,8 +267,7 @@ class HyperConnectionTransformerLayer(TransformerLayer):
             pre[..., 0] = 1.0
             attention_state: Tuple[Optional[torch.Tensor], ...] = ()
         else:
-            s, b, width = hidden_states.shape
-            streams = hidden_states.view(s, b, n, width // n)
+            streams = unpack_streams(hidden_states, n)
             pre, *rest = context
             attention_state = tuple(rest)
 
@@ -209,4 +303,4 @@ class HyperConnectionTransformerLayer(TransformerLayer):
 
         if self.layer_number == self.config.num_layers:  # last layer: back to one hidden state
             return collapse_streams(streams, mlp_pre), None
-        return streams.flatten(2), (mlp_pre, *attention_state)
+        return pack_streams(streams), (mlp_pre, *attention_state)

@@ -111,3 +111,28 @@ class TestCSA2ContextParallel:
         out = block(mine(hidden), attention_mask=None)
         expected = mine(full)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+class TestCSA2Layouts:
+    def test_contiguous_and_zigzag_spans(self):
+        from megatron.core.transformer.experimental_attention_variant.csa2_context_parallel import (
+            cp_spans,
+            span_positions,
+        )
+
+        assert span_positions(cp_spans(2, [0, 8], "zigzag")[0]).tolist() == [0, 1, 6, 7]
+        assert span_positions(cp_spans(2, [0, 8], "contiguous")[1]).tolist() == [4, 5, 6, 7]
+        with pytest.raises(ValueError, match="unknown context-parallel split"):
+            cp_spans(2, [0, 8], "ring")
+
+    def test_right_padded_rows(self):
+        from megatron.core.transformer.experimental_attention_variant.csa2_context_parallel import (
+            build_csa2_layout,
+        )
+
+        padding = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+        layout = build_csa2_layout(2, 6, "cpu", 0, padding_mask=padding)
+        assert layout.seq[1].tolist() == [0, 0, 0, 0, -1, -1] and layout.lengths == [[6], [4]]
+        assert layout.groups(2).q_count[1].tolist() == [2, 2, 2, 2, 0, 0]
+        with pytest.raises(ValueError, match="suffix"):
+            build_csa2_layout(1, 4, "cpu", 0, padding_mask=torch.tensor([[True, False, False, False]]))

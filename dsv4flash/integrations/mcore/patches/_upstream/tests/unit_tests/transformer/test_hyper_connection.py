@@ -120,3 +120,34 @@ class TestHyperConnectionTransformerLayer:
         assert grads[0]["layers.0.self_attn_hyper_connection.fn"].abs().sum() > 0
         for name, grad in grads[0].items():
             torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+    def test_coefficients_stay_fp32_under_a_half_precision_cast(self):
+        block = _block()
+        site = block.layers[0].self_attn_hyper_connection
+        before = {name: param.detach().clone() for name, param in site.named_parameters()}
+        block.bfloat16()
+        assert block.layers[0].self_attention.linear_proj.weight.dtype == torch.bfloat16
+        for name, param in site.named_parameters():
+            assert param.dtype == torch.float32, name
+            assert torch.equal(param, before[name]), name
+
+
+def test_stage_payload_round_trip():
+    from megatron.core.transformer.hyper_connection import decode_stage_payload, encode_stage_payload
+
+    streams = torch.randn(6, 1, 8).to(torch.bfloat16).requires_grad_(True)
+    pre = torch.rand(6, 1, 4, requires_grad=True)
+    keys = torch.randn(1, 3, 16, requires_grad=True)
+    topk = torch.tensor([[[0, 2, -1]] * 6])
+    payload = encode_stage_payload((streams, pre, None, keys, topk), meta=(2, 14))
+    assert payload.dtype == torch.float32 and payload.shape[1:] == (1, 1)
+    received = payload.detach().requires_grad_(True)
+    (got_streams, got_pre, none, got_keys, got_topk), meta = decode_stage_payload(received, detach=(3,))
+    assert meta == (2, 14) and none is None and not got_keys.requires_grad
+    assert got_streams.dtype == torch.bfloat16 and torch.equal(got_streams, streams)
+    assert torch.equal(got_pre, pre) and torch.equal(got_keys, keys) and torch.equal(got_topk, topk)
+    got_pre.sum().backward()
+    payload.backward(received.grad)
+    assert torch.equal(pre.grad, torch.ones_like(pre)) and not keys.grad.any()
+    with pytest.raises(ValueError, match="header"):
+        decode_stage_payload(payload[:4])

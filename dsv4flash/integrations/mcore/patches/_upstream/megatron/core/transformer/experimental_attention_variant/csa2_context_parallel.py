@@ -6,10 +6,14 @@ THD packing: ``packed_seq_params.cu_seqlens_q`` gives the real sequence lengths 
 ``cu_seqlens_q_padded`` (if set) where each sequence's slots start; slots past a sequence's real
 length are padding. Every window, compression group and top-k stays inside its own sequence.
 
+Right-padded rows: ``padding_mask`` [b, s] (True = padding) marks a suffix of each row; padding
+tokens belong to no sequence.
+
 Context parallelism: a rank holds spans of the global token axis, as ``get_batch_on_this_cp_rank``
-splits it: 2 * cp chunks of a row, rank r holding chunks r and 2 * cp - 1 - r, or for a THD-packed
-row the same per-document split (``cu_seqlens_q_padded`` then describes the global row, each document
-padded to a multiple of 2 * cp). Before each span a rank needs up to ``halo`` earlier tokens of the
+splits it (``cp_split="zigzag"``): 2 * cp chunks of a row, rank r holding chunks r and 2 * cp - 1 - r,
+or for a THD-packed row the same per-document split (``cu_seqlens_q_padded`` then describes the global
+row, each document padded to a multiple of 2 * cp). ``cp_split="contiguous"`` gives rank r the r-th of
+cp equal pieces of the row (or of the packed row), for data loaders that shard that way. Before each span a rank needs up to ``halo`` earlier tokens of the
 same sequence held elsewhere (window keys and the first members of a compression group that straddles
 the boundary). Every rank computes every rank's halo from the split alone and all-gathers what is
 needed, so all ranks run the same collectives in the same order. A compression group belongs to the
@@ -33,6 +37,8 @@ from megatron.core.transformer.experimental_attention_variant.csa2_layout import
 )
 
 Spans = Tuple[Tuple[int, int], ...]  # (global start, length) of each local chunk, in local order
+
+CP_SPLITS = ("zigzag", "contiguous")
 
 
 class _AllGather(torch.autograd.Function):
@@ -111,7 +117,25 @@ def zigzag_spans(cp_size: int, bounds: Sequence[int]) -> List[Spans]:
     return [tuple(spans) for spans in per_rank]
 
 
-def _positions(spans: Spans) -> torch.Tensor:
+def contiguous_spans(cp_size: int, total: int) -> List[Spans]:
+    """Spans of every rank: the r-th of ``cp_size`` equal pieces of the ``total`` slots."""
+    if total % cp_size:
+        raise ValueError(f"CSA2: {total} slots do not split into {cp_size} equal context-parallel pieces")
+    piece = total // cp_size
+    return [((r * piece, piece),) for r in range(cp_size)]
+
+
+def cp_spans(cp_size: int, bounds: Sequence[int], cp_split: str = "zigzag") -> List[Spans]:
+    """Spans of every rank for ``cp_split`` (see ``CP_SPLITS``); ``bounds`` are the sequences' slot starts."""
+    if cp_split == "zigzag":
+        return zigzag_spans(cp_size, bounds)
+    if cp_split == "contiguous":
+        return contiguous_spans(cp_size, bounds[-1])
+    raise ValueError(f"CSA2: unknown context-parallel split {cp_split!r} (expected one of {CP_SPLITS})")
+
+
+def span_positions(spans: Spans) -> torch.Tensor:
+    """Global slots [s] of one rank's spans, in local order."""
     parts = [torch.arange(start, start + n) for start, n in spans]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
@@ -131,7 +155,7 @@ def _halo_plan(spans: List[Spans], rank: int, width: int, slot_seq: torch.Tensor
     owner = torch.full((total,), -1, dtype=torch.long)
     local_index = torch.zeros(total, dtype=torch.long)
     for r, rank_spans in enumerate(spans):
-        pos = _positions(rank_spans)
+        pos = span_positions(rank_spans)
         owner[pos], local_index[pos] = r, torch.arange(pos.numel())
 
     def halo(r: int) -> torch.Tensor:
@@ -151,7 +175,7 @@ def _halo_plan(spans: List[Spans], rank: int, width: int, slot_seq: torch.Tensor
     slot_in_send = torch.zeros(total, dtype=torch.long)
     for q, sent in enumerate(sends):
         slot_in_send[sent] = q * width_m + torch.arange(sent.numel())
-    local = _positions(spans[rank])
+    local = span_positions(spans[rank])
     ext_positions = torch.sort(torch.cat([local, halos[rank]])).values
     ext_index = torch.where(
         owner[ext_positions] == rank,
@@ -177,6 +201,17 @@ class CSA2PartitionedLayout(CSA2TokenLayout):
         received = gathered.flatten(0, 1).movedim(0, 1)  # [b, cp * M, ...]
         return torch.cat([received, local], dim=1).index_select(1, self.plan.ext_index)
 
+    def extend_ids(self, local: torch.Tensor) -> torch.Tensor:
+        """Like ``extend``, for integer tensors (token ids): the same exchange without autograd."""
+        sent = local.index_select(1, self.plan.send_index).movedim(1, 0)
+        received = _all_gather(sent, self.group).flatten(0, 1).movedim(0, 1)
+        return torch.cat([received, local], dim=1).index_select(1, self.plan.ext_index)
+
+    @property
+    def halo_tokens(self) -> int:
+        """Tokens this rank receives from other ranks for every extended tensor."""
+        return self.plan.ext_index.numel() - self.plan.local_slots.numel()
+
     def publish(self, owned: torch.Tensor, table: CSA2GroupTable, differentiable: bool = True):
         """Owned groups [b, N, d] -> every global entry [b, T, d] (the sum of the owners' parts)."""
         mine = super().publish(owned, table)
@@ -187,6 +222,29 @@ class CSA2PartitionedLayout(CSA2TokenLayout):
         return mine
 
 
+def _suffix_padding(valid: torch.Tensor) -> None:
+    if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
+        raise ValueError(
+            "CSA2: padding_mask must mark a suffix of each row (right padding); pack left or interior "
+            "padding as THD with packed_seq_params instead"
+        )
+
+
+def _mask_packed(seq: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, documents: int):
+    """Drop the masked slots of a packed row; only each document's tail may be masked."""
+    seq = torch.where(valid, seq, torch.full_like(seq, -1))
+    lengths = []
+    for k in range(documents):
+        members = pos[seq == k]
+        if members.numel() and int(members.max()) + 1 != members.numel():
+            raise ValueError(
+                f"CSA2: padding_mask pads the inside of packed sequence {k}; only padding slots and "
+                "the tail of a sequence may be masked"
+            )
+        lengths.append(members.numel())
+    return seq, [lengths]
+
+
 def build_csa2_layout(
     batch: int,
     seq_len: int,
@@ -194,16 +252,33 @@ def build_csa2_layout(
     halo: int,
     packed_seq_params=None,
     cp_group: Optional[dist.ProcessGroup] = None,
+    padding_mask: Optional[torch.Tensor] = None,
+    cp_split: str = "zigzag",
 ) -> CSA2TokenLayout:
     """The layout of a micro-batch of ``batch`` rows x ``seq_len`` local tokens.
 
     packed_seq_params: THD packing (micro-batch 1; under context parallelism it describes the global
     row). cp_group: the context-parallel group, or None. halo: earlier tokens each span may need
-    (window - 1 and the largest compress ratio - 1).
+    (window - 1 and the largest compress ratio - 1). padding_mask: [b, s] bool, True = padding, a
+    suffix of each (global) row; with packing it may mask padding slots and sequence tails. cp_split:
+    how the ranks split the row (``CP_SPLITS``).
     """
     cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+    valid = None
+    if padding_mask is not None:
+        if tuple(padding_mask.shape) != (batch, seq_len):
+            raise ValueError(
+                f"CSA2: padding_mask must be [b, s] = [{batch}, {seq_len}], got {list(padding_mask.shape)}"
+            )
+        valid = ~padding_mask.to(device=device, dtype=torch.bool)
     if packed_seq_params is None and cp == 1:
-        return CSA2TokenLayout.dense(batch, seq_len, device)
+        layout = CSA2TokenLayout.dense(batch, seq_len, device)
+        if valid is None:
+            return layout
+        _suffix_padding(valid)
+        seq = torch.where(valid, layout.seq, torch.full_like(layout.seq, -1))
+        lengths = [[int(n)] for n in valid.sum(dim=1).tolist()]
+        return CSA2TokenLayout(seq, layout.pos, seq, layout.pos, layout.ext_local, lengths)
     total = seq_len * cp
     if packed_seq_params is not None:
         if batch != 1:
@@ -224,22 +299,39 @@ def build_csa2_layout(
     if cp == 1:
         local = torch.ones(total, dtype=torch.bool, device=device)
         seq, pos = slot_seq[None].to(device), slot_pos[None].to(device)
+        if valid is not None:
+            seq, lengths = _mask_packed(seq, pos, valid, len(lengths[0]))
         return CSA2TokenLayout(seq, pos, seq, pos, local, lengths)
-    spans = zigzag_spans(cp, bounds)
+    spans = cp_spans(cp, bounds, cp_split)
     rank = dist.get_rank(cp_group)
     plan = _halo_plan(spans, rank, halo, slot_seq)
-    mine, ext = _positions(spans[rank]), plan.ext_positions
+    mine, ext = span_positions(spans[rank]), plan.ext_positions
     ext_local = torch.zeros(ext.numel(), dtype=torch.bool)
     ext_local[plan.local_slots] = True
     rows = lambda t: t.to(device).expand(batch, -1).contiguous()  # noqa: E731
     plan = _HaloPlan(*(t.to(device) for t in (plan.send_index, plan.ext_index, ext, plan.local_slots)))
+    seq, pos, ext_seq, ext_pos = (rows(t) for t in (slot_seq[mine], slot_pos[mine], slot_seq[ext], slot_pos[ext]))
+    if valid is not None and packed_seq_params is not None:
+        if bool((valid != (seq >= 0)).any()):
+            raise ValueError(
+                "CSA2: under context parallelism with packed sequences padding_mask must mark exactly "
+                "the padding slots of packed_seq_params (cu_seqlens_q vs cu_seqlens_q_padded)"
+            )
+    elif valid is not None:  # right-padded rows: each row's global length is its last real token + 1
+        last = torch.where(valid, pos + 1, torch.zeros_like(pos)).amax(dim=1)
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=cp_group)
+        if bool((valid != (pos < last.unsqueeze(1))).any()):
+            raise ValueError("CSA2: padding_mask must mark a suffix of each global row (right padding)")
+        seq = torch.where(valid, seq, torch.full_like(seq, -1))
+        ext_seq = torch.where(ext_pos < last.unsqueeze(1), ext_seq, torch.full_like(ext_seq, -1))
+        lengths = [[int(n)] for n in last.tolist()]
     return CSA2PartitionedLayout(
         plan,
         cp_group,
-        seq=rows(slot_seq[mine]),
-        pos=rows(slot_pos[mine]),
-        ext_seq=rows(slot_seq[ext]),
-        ext_pos=rows(slot_pos[ext]),
+        seq=seq,
+        pos=pos,
+        ext_seq=ext_seq,
+        ext_pos=ext_pos,
         ext_local=ext_local.to(device),
         lengths=lengths,
     )

@@ -74,8 +74,22 @@ class CSA2TokenLayout:
         local = torch.ones(seq_len, dtype=torch.bool, device=device)
         return cls(seq, pos, seq, pos, local, [[seq_len] for _ in range(batch)])
 
+    @property
+    def valid(self) -> torch.Tensor:
+        """[b, s] bool: real (non-padding) tokens."""
+        return self.seq >= 0
+
+    @property
+    def local_slots(self) -> torch.Tensor:
+        """[s] extended-axis slot of every local token."""
+        return self.ext_local.nonzero().flatten()
+
     def extend(self, local: torch.Tensor) -> torch.Tensor:
         """Local per-token tensor [b, s, ...] -> extended axis [b, E, ...]."""
+        return local
+
+    def extend_ids(self, local: torch.Tensor) -> torch.Tensor:
+        """Like ``extend``, for integer tensors (token ids) that need no gradient."""
         return local
 
     def publish(self, owned: torch.Tensor, table: CSA2GroupTable, differentiable: bool = True):

@@ -146,10 +146,13 @@ class DeepSeekV41VisionRMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
 
     def _apply(self, fn, recurse=True):
-        # Float16Module / .bfloat16() cast every parameter; the release computes ViT norms with fp32 weights.
+        # Float16Module / .bfloat16() cast every parameter; the release computes ViT norms with fp32 weights, so a
+        # cast puts back the fp32 values it had (not their rounded copy).
+        before = self.weight.data
         module = super()._apply(fn, recurse)
         if self.weight.dtype != torch.float32:
-            self.weight.data = self.weight.data.float()
+            kept = before if before.dtype == torch.float32 else self.weight.data
+            self.weight.data = kept.to(device=self.weight.device, dtype=torch.float32)
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

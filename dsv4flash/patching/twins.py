@@ -1,6 +1,6 @@
 """Runtime twins: upstream fixes applied to an installed upstream package at run time, one registry for all.
 
-Every upstream change ships twice under one Patch-Id (style.md §7-8): a format-patch in `patches/<upstream>/`
+Every upstream change ships twice under one Patch-Id (docs/patches.md): a format-patch in `patches/<upstream>/`
 and a runtime twin in `dsv4flash/integrations/<target>/patches/`. A twin module declares itself with
 
     @runtime_patch(patch_id="DSV41-MCORE-001", target="NVIDIA/Megatron-LM", distribution="megatron-core",
@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from dsv4flash.patchseries import predicate
+from dsv4flash.patching import predicate
 
 log = logging.getLogger("dsv4flash.patches")
 
@@ -353,6 +353,17 @@ class Registry:
     def all(self) -> list[RuntimePatch]:
         """Every registered twin, sorted by Patch-Id."""
         return [self._patches[k] for k in sorted(self._patches)]
+
+    def with_dependencies(self, patch_ids) -> set[str]:
+        """`patch_ids` and everything they depend on (Depends-On, transitively)."""
+        out: set[str] = set()
+        todo = list(patch_ids)
+        while todo:
+            patch_id = todo.pop()
+            if patch_id not in out:
+                out.add(patch_id)
+                todo.extend(self.get(patch_id).meta.depends_on)
+        return out
 
     def apply_all(self, distribution: str | None = None, mode: str | None = None) -> dict[str, Outcome]:
         """Apply every twin (optionally only those for one distribution); returns Patch-Id -> Outcome."""

@@ -1,4 +1,4 @@
-"""Quantization plan of the release layout: which tensor is stored how (architecture.md §9).
+"""Quantization plan of the release layout: which tensor is stored how (docs/architecture.md §9).
 
 Three stored layouts sit under one `quantization_config`; everything else is BF16, except the fp32 mHC
 parameters, attention sinks and gate biases. The census, the bridge and the lifecycle's base fingerprint

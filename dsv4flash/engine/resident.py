@@ -28,19 +28,39 @@ def placement_key(placement: PlacementConfig) -> str:
     return json.dumps(placement.to_dict(), sort_keys=True, default=str)
 
 
-class ResidentBase:
-    """Base weights held once (`base_model`: a config name/path; `base_dir`: a local-engine base checkpoint)."""
+def _stop_between_layers(model: nn.Module) -> None:
+    """Check the running call's cancel flag and deadline before each layer, so a large forward stops mid-way."""
+    from dsv4flash.service import calls
 
-    def __init__(self, base_model: str = "tiny", *, base_dir: str | Path | None = None, seed: int = 0) -> None:
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda _module, _args: calls.check())
+
+
+class ResidentBase:
+    """Base weights held once (`base_model`: a config name/path; `base_dir`: a local-engine base checkpoint).
+
+    `device`/`dtype` (default auto: CUDA and the release's bfloat16 when torch sees a device, else the CPU in
+    float32; dsv4flash/engine/device.py) say where the base computes; adapters live beside it. Callers hand in
+    and get back CPU tensors (`forward`, the service's compute functions), so only the model's calls cross."""
+
+    def __init__(self, base_model: str = "tiny", *, base_dir: str | Path | None = None, seed: int = 0,
+                 device: str = "auto", dtype: str = "auto") -> None:
+        from dsv4flash.engine.device import resolve_compute
         from dsv4flash.model.transformer import Transformer
 
         self.base_model = base_model
         self.cfg = load_config(base_model)
-        self.model = Transformer(self.cfg, torch.float32, "cpu", seed=seed).eval().requires_grad_(False)
+        self.compute = resolve_compute(device, dtype, release_dtype=self.cfg.dtype)
+        self.device = self.compute.device
+        # Built and loaded on the CPU (the same bits on every device), then moved.
+        self.model = Transformer(self.cfg, self.compute.dtype, "cpu", seed=seed).eval().requires_grad_(False)
+        _stop_between_layers(self.model)
         if base_dir is not None:
             from dsv4flash.engine import model_io
 
             model_io.load_base_weights(self.model, base_dir)
+        if self.device.type != "cpu":
+            self.model.to(self.device)
         self.lock = threading.RLock()
         self._shells: dict[str, nn.Module] = {}
         self._slots: dict[str, dict[str, tuple[nn.Module, str]]] = {}
@@ -57,6 +77,7 @@ class ResidentBase:
                 shell = self._share_base()
                 apply_lora(shell, placement)
                 shell.eval()
+                _stop_between_layers(shell)
                 self._shells[key] = shell
                 self._slots[key] = {canonical_key(n): (shell.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
                                     for n, _ in shell.named_parameters() if n.endswith((".lora_A", ".lora_B"))}
@@ -71,16 +92,29 @@ class ResidentBase:
             for key, p in lora_parameters(shell).items():
                 if key.endswith("lora_B.weight"):
                     out[key] = nn.Parameter(torch.zeros_like(p))
-                else:  # Kaiming-uniform-like init, deterministic per placement seed
+                else:  # Kaiming-uniform-like init, deterministic per placement seed (drawn on the CPU: same bits)
                     fan_in = p.shape[-1]
                     bound = (1.0 / fan_in) ** 0.5
-                    out[key] = nn.Parameter(torch.empty_like(p).uniform_(-bound, bound, generator=gen))
+                    init = torch.empty_like(p, device="cpu").uniform_(-bound, bound, generator=gen)
+                    out[key] = nn.Parameter(init if self.device.type == "cpu" else init.to(self.device))
             return out
+
+    def to_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` (an adapter read from the store) where the base computes (the same dict on the CPU)."""
+        if self.device.type == "cpu":
+            return tensors
+        return {k: v.to(self.device) for k, v in tensors.items()}
 
     def adapter_slots(self, placement: PlacementConfig) -> dict[str, tuple[nn.Module, str]]:
         """Canonical adapter key -> (module, factor name) in `placement`'s shell (where `bind` plugs tensors)."""
         self.shell(placement)
         return dict(self._slots[placement_key(placement)])
+
+    @contextmanager
+    def bare(self):
+        """Hold the base and run the bare base model (no adapter)."""
+        with self.lock:
+            yield self.model
 
     @contextmanager
     def bind(self, placement: PlacementConfig, adapter: dict[str, torch.Tensor]):

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dsv4flash.config import DSV41FlashConfig, load_config
-from dsv4flash.quant_plan import StoredTensor, stored_layout
+from dsv4flash.release.quant_plan import StoredTensor, stored_layout
 
 __all__ = ["census", "format_tsv", "parse_tsv", "checkpoint_census", "diff_census", "CensusError"]
 

@@ -1,0 +1,42 @@
+"""How the suite shares the machine's two cores: the work units of pytest-xdist's `--dist loadgroup`.
+
+A pytest plugin (registered in tests/conftest.py). The `whole_machine` tests (a Ray cluster, multi-rank gloo
+runs: marked so; benchmarks: every tests/*/test_bench_*.py) form one group, so no two of them run side by side, and they come first, so the longest
+chain of work starts at once. A test that uses a module-, class- or package-scoped fixture goes to its module's
+group, so that fixture is built once, on one worker. Every other test is scheduled on its own.
+
+pytest-xdist 3.8 turns an `xdist_group` mark into a `@group` suffix of the node id it reports; pytest 9.2 keeps
+node ids elsewhere, where that suffix is lost and every test silently becomes its own unit, so pyproject.toml
+pins pytest below 9.2 and tests/core/test_suite_timing.py checks the grouping on a real two-worker run.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+WHOLE_MACHINE = "whole_machine"
+
+
+def shares_module_state(item) -> bool:
+    """Whether the test uses a fixture scoped to its module, class or package (built once for its neighbours)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(defs and defs[-1].scope in ("module", "class", "package")
+               for defs in (info.name2fixturedefs.get(name) for name in info.names_closure))
+
+
+def group_of(item) -> str | None:
+    """The loadgroup unit of a test: `whole_machine`, its module's path, or None (a unit of its own)."""
+    if item.get_closest_marker(WHOLE_MACHINE) or item.path.name.startswith("test_bench_"):
+        return WHOLE_MACHINE
+    return item.nodeid.split("::", 1)[0] if shares_module_state(item) else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    """Mark every test's group and put the whole_machine tests first (module order kept otherwise)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None and (group := group_of(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: group_of(item) != WHOLE_MACHINE)

@@ -1,0 +1,32 @@
+"""The serving benchmark runs end to end at tiny sizes and reports every figure and target (no timing
+assertions: timings belong to `python -m dsv4flash.bench serving`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from dsv4flash.bench import BENCHMARKS
+
+
+def test_serving_bench_quick(tmp_path):
+    from dsv4flash.bench import serving
+
+    assert "serving" in BENCHMARKS
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json")
+    serving.add_arguments(parser)
+    report = serving.run(parser.parse_args(["--quick", "--plot", str(tmp_path / "serving.png")]))
+    figures = report.as_dict()
+    for key in ("base.tok_s", "uniform.1.tok_s", "uniform.4.tok_s", "zipf.4.tok_s", "uniform.4.ttft_p50_s",
+                "uniform.4.ttft_p99_s", "staircase.serial_4_s", "staircase.pipelined_4_s", "staircase.serial_4_ttft_s",
+                "staircase.pipelined_4_ttft_s", "staircase.prewarmed_4_ttft_s",
+                "first_token.warm_s", "first_token.prewarmed_alone_s"):
+        assert key in figures and figures[key] > 0, key
+    assert "uniform.4.tok_s/uniform.1.tok_s" in figures and "staircase.pipelined_4_s/staircase.serial_4_s" in figures
+    assert figures["uniform.4.ttft_p99_s"] >= figures["uniform.4.ttft_p50_s"]
+    # 8 distinct and 1,000 are not in the quick run: only the staircase and prewarm targets are judged
+    assert sum(t.startswith(("MET", "MISS")) for t in report.targets) == 2
+    assert (tmp_path / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report.write_json(tmp_path / "out.json")
+    assert json.loads((tmp_path / "out.json").read_text())["base.tok_s"] == figures["base.tok_s"]
