@@ -67,7 +67,13 @@ def pack_streams(streams: torch.Tensor) -> torch.Tensor:
 
 
 STAGE_PAYLOAD_DTYPE = torch.float32
+STAGE_PAYLOAD_ALIGN = 16
+"""Elements (64 bytes of fp32) every payload section starts on."""
 _PAYLOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // STAGE_PAYLOAD_ALIGN) * STAGE_PAYLOAD_ALIGN
 
 
 def encode_stage_payload(parts: Sequence[Optional[torch.Tensor]], meta: Sequence[int] = ()) -> torch.Tensor:
@@ -79,6 +85,11 @@ def encode_stage_payload(parts: Sequence[Optional[torch.Tensor]], meta: Sequence
     receiver rebuilds every part without knowing its shape (the schedule's ``variable_seq_lengths``
     mode exchanges the payload's size). Integers are exact in fp32 up to 2**24; bf16 parts travel
     exactly. The float parts stay differentiable: the gradient the next stage sends back reaches them.
+
+    The header and every part start on a ``STAGE_PAYLOAD_ALIGN`` boundary (zero filled), so the parts the
+    receiver views in the payload, and the gradients the sender views in the returned gradient, are as
+    aligned as freshly allocated tensors: a BLAS may pick its kernel, and with it its summation order, by
+    operand alignment, and a stage must compute bit for bit what the same layers compute without pipelining.
     """
     header = [len(meta), len(parts), *meta]
     flat = []
@@ -91,7 +102,11 @@ def encode_stage_payload(parts: Sequence[Optional[torch.Tensor]], meta: Sequence
             raise ValueError(f"stage payload: parts must be 3-d, got {list(part.shape)}")
         header += [_PAYLOAD_DTYPES.index(part.dtype), *part.shape]
         flat.append(part.reshape(-1).to(STAGE_PAYLOAD_DTYPE))
-    head = torch.tensor(header, dtype=STAGE_PAYLOAD_DTYPE, device=device)
+        pad = _aligned(part.numel()) - part.numel()
+        if pad:
+            flat.append(torch.zeros(pad, dtype=STAGE_PAYLOAD_DTYPE, device=device))
+    head = torch.zeros(_aligned(len(header)), dtype=STAGE_PAYLOAD_DTYPE, device=device)
+    head[: len(header)] = torch.tensor(header, dtype=STAGE_PAYLOAD_DTYPE)
     return torch.cat([head, *flat]).view(-1, 1, 1)
 
 
@@ -107,13 +122,13 @@ def decode_stage_payload(
         raise ValueError(f"stage payload of {flat.numel()} values is shorter than its header")
     n_meta, n_parts = (int(v) for v in flat[:2].detach().tolist())
     size = 2 + n_meta + 4 * n_parts
-    if n_meta < 0 or n_parts < 0 or flat.numel() < size:
+    if n_meta < 0 or n_parts < 0 or flat.numel() < _aligned(size):
         raise ValueError(
             f"stage payload of {flat.numel()} values is shorter than its {size}-value header "
             "(was the previous stage built with the same layers?)"
         )
     header = [int(v) for v in flat[:size].detach().tolist()]
-    meta, offset = tuple(header[2 : 2 + n_meta]), size
+    meta, offset = tuple(header[2 : 2 + n_meta]), _aligned(size)
     parts: List[Optional[torch.Tensor]] = []
     for i in range(n_parts):
         code, *shape = header[2 + n_meta + 4 * i : 6 + n_meta + 4 * i]
@@ -134,7 +149,7 @@ def decode_stage_payload(
         else:
             value = value.to(dtype)
         parts.append(value)
-        offset += n
+        offset += _aligned(n)
     if offset != flat.numel():
         raise ValueError(f"stage payload: {flat.numel() - offset} values left over after the header's parts")
     return parts, meta

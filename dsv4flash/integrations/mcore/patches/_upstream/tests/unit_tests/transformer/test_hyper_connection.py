@@ -146,6 +146,8 @@ def test_stage_payload_round_trip():
     assert meta == (2, 14) and none is None and not got_keys.requires_grad
     assert got_streams.dtype == torch.bfloat16 and torch.equal(got_streams, streams)
     assert torch.equal(got_pre, pre) and torch.equal(got_keys, keys) and torch.equal(got_topk, topk)
+    for part in (got_pre, got_keys):  # views of the payload, each on a 64-byte boundary of it
+        assert part.data_ptr() != received.data_ptr() and (part.data_ptr() - received.data_ptr()) % 64 == 0
     got_pre.sum().backward()
     payload.backward(received.grad)
     assert torch.equal(pre.grad, torch.ones_like(pre)) and not keys.grad.any()
