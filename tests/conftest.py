@@ -8,6 +8,12 @@ from pathlib import Path
 # megatron-core's jit_fuser is torch.compile: a cold CPU machine would spend ~15 s compiling per process.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+# MKL's conditional numerical reproducibility, strict: the same GEMM results on every AVX2 machine whatever its
+# vendor, ISA extensions or operand alignment (set before torch loads MKL; inherited by every subprocess). The
+# parity tests compare paths whose discrete steps (the indexer's top-k) sit on near-ties at tiny size; with MKL's
+# AVX-512 kernels on some Xeons, or its alignment-dependent paths, those ties fall differently on different CI
+# machines, and a test must not pass or fail by the machine it is drawn on.
+os.environ.setdefault("MKL_CBWR", "AVX2,STRICT")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
