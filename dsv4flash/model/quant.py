@@ -3,9 +3,16 @@
 Three points are kept: the window KV (FP8 E4M3, 32-lane blocks, power-of-two scale), the compressed KV
 (E2M1 values, 16-lane blocks, E4M3 scale) and the index Q/K (E2M1, 32-lane blocks, power-of-two scale).
 Without a straight-through backward the compressor's `wgate` would see a zero gradient (§13).
+
+`fake_quant(False)` turns the three points off inside a block: a parity check of two computation orders of the
+same function (cached decode against full recompute) runs there, because a code boundary turns a one-ulp
+difference of a quantizer's input into a whole E2M1/E4M3 step of its output.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -84,16 +91,29 @@ def _straight_through(x: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
     return _StraightThrough.apply(x, quantized)
 
 
+_enabled = [True]
+
+
+@contextmanager
+def fake_quant(enabled: bool) -> Iterator[None]:
+    """Run every fake-quant point (reference and Megatron, all threads) on or off inside the block."""
+    previous, _enabled[0] = _enabled[0], bool(enabled)
+    try:
+        yield
+    finally:
+        _enabled[0] = previous
+
+
 def fake_quant_window_kv(x: torch.Tensor) -> torch.Tensor:
     """Window KV after RoPE: FP8 E4M3 over 32-lane blocks with UE8M0 scales (all lanes, RoPE tail included)."""
-    return _straight_through(x, _fp8_e4m3_blockwise(x.detach(), 32))
+    return _straight_through(x, _fp8_e4m3_blockwise(x.detach(), 32)) if _enabled[0] else x
 
 
 def fake_quant_compressed_kv(x: torch.Tensor) -> torch.Tensor:
     """Compressed KV after RoPE: E2M1 over 16-lane blocks with an E4M3 scale (NVFP4-style)."""
-    return _straight_through(x, _fp4_e4m3_scaled(x.detach(), 16))
+    return _straight_through(x, _fp4_e4m3_scaled(x.detach(), 16)) if _enabled[0] else x
 
 
 def fake_quant_index(x: torch.Tensor) -> torch.Tensor:
     """Index Q/K after RoPE: E2M1 over 32-lane blocks with UE8M0 scales (MXFP4)."""
-    return _straight_through(x, _fp4_pow2_scaled(x.detach(), 32))
+    return _straight_through(x, _fp4_pow2_scaled(x.detach(), 32)) if _enabled[0] else x

@@ -2,6 +2,7 @@
 
 * sparse attention keeps the QK scores in fp32 (the release kernel accumulates and softmaxes in fp32);
 * the straight-through quantizers return exactly the quantized value in the forward pass;
+* the fake-quant points can be switched off for parity checks of computation orders;
 * the indexer's top-k tie rule is switchable, and parity checks can compare picks up to ties.
 """
 
@@ -12,8 +13,8 @@ import torch
 from dsv4flash.model.attention import sparse_attention, window_mask
 from dsv4flash.model.indexer import (TIE_RULES, Indexer, same_selection_up_to_ties, tie_rule, topk_lowest_first,
                                      topk_select)
-from dsv4flash.model.quant import (_fp4_e4m3_scaled, _fp4_pow2_scaled, _fp8_e4m3_blockwise, fake_quant_compressed_kv,
-                                   fake_quant_index, fake_quant_window_kv)
+from dsv4flash.model.quant import (_fp4_e4m3_scaled, _fp4_pow2_scaled, _fp8_e4m3_blockwise, fake_quant,
+                                   fake_quant_compressed_kv, fake_quant_index, fake_quant_window_kv)
 
 
 def _fp32_logits_attention(q, keys, allowed, sink, scale):
@@ -80,6 +81,23 @@ def test_every_quantizer_returns_exactly_q_and_passes_the_gradient_straight_thro
         assert torch.equal(x.grad, cotangent), fake.__name__
     with torch.no_grad():
         assert not fake_quant_index(x).requires_grad
+
+
+def test_fake_quant_off_passes_values_through_inside_the_block_only():
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1))
+    points = (fake_quant_window_kv, fake_quant_compressed_kv, fake_quant_index)
+    quantized = [fake(x) for fake in points]
+    assert all(not torch.equal(q, x) for q in quantized)
+    try:
+        with fake_quant(False):
+            assert all(fake(x) is x for fake in points)
+            with fake_quant(True):
+                assert torch.equal(fake_quant_index(x), quantized[2])
+            assert fake_quant_index(x) is x
+            raise KeyError("leave the block by an exception")
+    except KeyError:
+        pass
+    assert all(torch.equal(fake(x), q) for fake, q in zip(points, quantized))
 
 
 def test_tie_rules_pick_the_same_scores_and_differ_only_among_ties():

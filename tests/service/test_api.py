@@ -249,24 +249,33 @@ def test_sampling_params_and_stop_reasons(service):
 
 
 def test_cached_sample_equals_full_recompute(service):
-    # `sample` prefills once and decodes with the CSA2 cache; use_cache=False recomputes every step.
+    # `sample` prefills once and decodes with the CSA2 cache; use_cache=False recomputes every step. With the
+    # release's fake-quant points on, both draw the same tokens; their log-probs are compared with the points off
+    # (dsv4flash/model/quant.py `fake_quant`): the two orders of summation differ by ulps, and at an E2M1/E4M3
+    # code boundary an ulp moves a quantized KV lane by a whole code, which no tolerance of a correct cache bounds.
+    from dsv4flash.model.quant import fake_quant
+
     tc = service.create_lora_training_client(rank=2, preset="full_linear", seed=3)
     tc.forward_backward([_datum([0, 5, 6, 7, 8, 9])], "cross_entropy")
     tc.optim_step(types.AdamParams(learning_rate=5e-2))
     for sc in (tc.save_weights_and_get_sampling_client(), service.create_sampling_client()):
-        prompt = types.ModelInput.from_ints([0, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20])  # past the window
-        probe = sc.sample(prompt, 4, types.SamplingParams(max_tokens=12, temperature=1.0, seed=5)).result()
-        params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=5, stop=[probe.sequences[0].tokens[3]])
-        cached = sc.sample(prompt, 4, params).result()
-        assert {s.stop_reason for s in cached.sequences} == {"stop", "length"}  # rows leave the batch early
-        sc.use_cache = False
-        full = sc.sample(prompt, 4, params).result()
-        assert [s.tokens for s in cached.sequences] == [s.tokens for s in full.sequences]
-        assert [s.stop_reason for s in cached.sequences] == [s.stop_reason for s in full.sequences]
-        for a, b in zip(cached.sequences, full.sequences):
-            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
-        assert len({tuple(s.tokens) for s in cached.sequences}) > 1
-        sc.use_cache = True
+        for quantized in (True, False):
+            with fake_quant(quantized):
+                prompt = types.ModelInput.from_ints([0, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20])  # past the window
+                probe = sc.sample(prompt, 4, types.SamplingParams(max_tokens=12, temperature=1.0, seed=5)).result()
+                params = types.SamplingParams(max_tokens=12, temperature=1.0, seed=5,
+                                              stop=[probe.sequences[0].tokens[3]])
+                cached = sc.sample(prompt, 4, params).result()
+                assert {s.stop_reason for s in cached.sequences} == {"stop", "length"}  # rows leave the batch early
+                sc.use_cache = False
+                full = sc.sample(prompt, 4, params).result()
+                sc.use_cache = True
+            assert [s.tokens for s in cached.sequences] == [s.tokens for s in full.sequences]
+            assert [s.stop_reason for s in cached.sequences] == [s.stop_reason for s in full.sequences]
+            assert len({tuple(s.tokens) for s in cached.sequences}) > 1
+            if not quantized:
+                for a, b in zip(cached.sequences, full.sequences):
+                    assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
 def test_rank_is_the_preset_s_unless_given_and_a_fixed_rank_refuses_another(service):
