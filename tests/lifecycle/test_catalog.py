@@ -142,6 +142,9 @@ def test_base_and_policy_checks(cat, base_fp, other_fp):
     with pytest.raises(BaseMismatchError):
         cat.tag("pol", "prod", r.id)
     assert cat.list_policies() == ["other", "pol"]
+    assert cat.list_policies(limit=1) == ["other"]  # keyset pages, as /v1/models reads them
+    assert cat.list_policies(after="other", limit=5) == ["pol"] and cat.list_policies(after="pol") == []
+    assert cat.list_policies(after="a") == ["other", "pol"]  # a cursor need not be a name
 
 
 def test_policy_record_state_rollouts_evals(cat, base_fp):

@@ -70,6 +70,14 @@ def test_models_are_listed_per_tenant(world):
     bob = {m.id for m in _client(world, "bob").models.list().data}
     assert "tiny" in bob and world["names"][2] in bob  # the published one
     assert not {world["names"][0], world["names"][1]} & bob
+    client, pages, after = _client(world), [], None  # keyset pages: `limit` rows after `after`, then `has_more`
+    while not pages or pages[-1].has_more:
+        pages.append(client.models.list(extra_query={"limit": 2, **({"after": after} if after else {})}))
+        assert len(pages[-1].data) == 2 or not pages[-1].has_more
+        after = pages[-1].last_id
+    assert [m.id for page in pages for m in page.data] == list(alice) and len(pages) == -(-len(alice) // 2)
+    with pytest.raises(openai.BadRequestError, match=r"limit: expected an integer from 1 to 1000, got '0'"):
+        client.models.list(extra_query={"limit": 0})
 
 
 def test_greedy_completion_and_chat_equal_the_tinker_sample_under_every_name(world):

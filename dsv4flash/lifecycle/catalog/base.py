@@ -102,8 +102,8 @@ class Catalog(abc.ABC):
         """The current policy record (raises `PolicyNotFoundError`)."""
 
     @abc.abstractmethod
-    def list_policies(self) -> list[str]:
-        """All policy names."""
+    def list_policies(self, *, after: str | None = None, limit: int | None = None) -> list[str]:
+        """Policy names in name order: all, or (keyset paging) at most `limit` of those after `after`."""
 
     # ---- revisions ----
     @abc.abstractmethod

@@ -201,9 +201,13 @@ class SQLCatalog(ServiceStateSQL, Catalog):
 
         return self._run(read, write=False)
 
-    def list_policies(self) -> list[str]:
-        """All policy names."""
-        return self._run(lambda cur: [r[0] for r in self._x(cur, "SELECT name FROM policies ORDER BY name").fetchall()], write=False, single=True)
+    def list_policies(self, *, after: str | None = None, limit: int | None = None) -> list[str]:
+        """Policy names in name order: all, or (keyset paging) at most `limit` of those after `after`."""
+        where, params = ("WHERE name > ? ", [after]) if after is not None else ("", [])
+        if limit is not None:
+            params.append(int(limit))
+        sql = f"SELECT name FROM policies {where}ORDER BY name" + (" LIMIT ?" if limit is not None else "")
+        return self._run(lambda cur: [r[0] for r in self._x(cur, sql, params).fetchall()], write=False, single=True)
 
     # ---- revisions ----
     def register(self, rev: RevisionRecord, *, state: StateRecord | None = None, expect_head: Any = ANY_HEAD,

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from dsv4flash.lifecycle.errors import PolicyNotFoundError
 from dsv4flash.lifecycle.refs import ModelId, ParsedCheckpointTinkerPath, run_id_of, session_of
 from dsv4flash.service.compute.scheduler import PhaseScheduler
 from dsv4flash.service.plane.operations import OperationTable
@@ -433,7 +434,11 @@ class PolicyServer:
                                        cursor=Cursor(offset=offset, limit=limit, total_count=len(every)))
 
     def _exists(self, run: str) -> bool:
-        return run in set(self.service.store.catalog.list_policies())
+        try:
+            self.service.store.catalog.policy(run)  # one row, not the catalog's every name
+        except PolicyNotFoundError:
+            return False
+        return True
 
     def _schedule(self, client, policy: str, tenant: str) -> None:
         if self.scheduler is not None:

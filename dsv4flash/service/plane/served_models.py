@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsv4flash.lifecycle.refs import ParsedCheckpointTinkerPath, parse_model_name, resolve_model_name
+from dsv4flash.lifecycle.refs import (ParsedCheckpointTinkerPath, parse_model_name, resolve_model_name,
+                                      split_catalog_ref)
 from dsv4flash.service.plane.policy_server import BadRequest, NotFound
 
 
@@ -85,43 +86,70 @@ def _published_revisions(plane, policy: str) -> set[str]:
     return out
 
 
-def listing(plane, tenant: str) -> list[dict]:
-    """`/v1/models` entries for `tenant`: the base, the checkpoints of its runs, policies published from outside
-    the server (head and tags), and other tenants' published checkpoints; each `{id, owned_by, root, created}`
-    with `root` the revision id."""
+_POLICY_PAGE = 256  # catalog rows read per query while a listing page fills
+
+
+def listing(plane, tenant: str, *, after: str | None = None, limit: int | None = None) -> tuple[list[dict], bool]:
+    """`/v1/models` entries for `tenant` -> (entries, has_more); each `{id, owned_by, root, created}` with `root`
+    the revision id: the base first, then policy by policy in catalog order (each one's ids sorted) the
+    checkpoints of the tenant's runs, policies published from outside the server (head and tags), and other
+    tenants' published checkpoints. `after` (an id of an earlier page) and `limit` page through the catalog by
+    key, so a page costs its own rows, not the catalog's 10^6."""
     service = plane.service
     catalog = service.store.catalog
     base = service.base.base_model
-    out = [{"id": base, "owned_by": "dsv4flash", "root": None, "created": 0}]
-    seen = {base}
+    published: dict[str, list[str]] = {}
+    for path in service.checkpoints.published():
+        published.setdefault(ParsedCheckpointTinkerPath.from_tinker_path(path).training_run_id, []).append(path)
+    out: list[dict] = []
+    full = (lambda: False) if limit is None else (lambda: len(out) > limit)  # one more row tells has_more
+    if after is None:
+        out.append({"id": base, "owned_by": "dsv4flash", "root": None, "created": 0})
+    cursor = None if after in (None, base) else split_catalog_ref(after)[0]
+    if cursor is not None:  # the rest of the cursor's own policy, then the policies after it
+        out.extend(e for e in _entries_of(plane, tenant, cursor, published) if e["id"] > after)
+    while not full():
+        page = catalog.list_policies(after=cursor, limit=_POLICY_PAGE)
+        for policy in page:
+            out.extend(e for e in _entries_of(plane, tenant, policy, published) if e["id"] != base)
+            if full():
+                break
+        if len(page) < _POLICY_PAGE:
+            break
+        cursor = page[-1]
+    if limit is not None and len(out) > limit:
+        return out[:limit], True
+    return out, False
+
+
+def _entries_of(plane, tenant: str, policy: str, published: dict[str, list[str]]) -> list[dict]:
+    """One policy's `/v1/models` entries for `tenant`, sorted by id (none for a policy the tenant may not read)."""
+    service = plane.service
+    catalog = service.store.catalog
+    rows: dict[str, dict] = {}
 
     def add(name: str, owned_by: str, rev) -> None:
-        if name not in seen:
-            seen.add(name)
-            out.append({"id": name, "owned_by": owned_by, "root": rev.id, "created": int(rev.created)})
+        rows.setdefault(name, {"id": name, "owned_by": owned_by, "root": rev.id, "created": int(rev.created)})
 
-    policies = catalog.list_policies()
-    for policy in sorted(policies):
-        owner = plane.owners.owner(policy)
+    owner = plane.owners.owner(policy)
+    try:
         if owner == tenant:
-            for tag, rev_id in sorted(catalog.tags(policy).items()):
+            for tag, rev_id in catalog.tags(policy).items():
                 path = ParsedCheckpointTinkerPath.from_tag(policy, tag) if "/" not in tag else None
                 if path is not None and not service.checkpoints.is_expired(path.canonical):
                     add(f"{policy}:{tag}", tenant, catalog.lookup(rev_id))
-        elif owner is None and service.is_trained_policy(policy):
-            try:
+        elif owner is None:
+            if service.is_trained_policy(policy):
                 add(policy, "store", catalog.resolve(policy))
-            except LookupError:
-                continue  # a policy with no revision yet
-            for tag, rev_id in sorted(catalog.tags(policy).items()):
-                add(f"{policy}:{tag}", "store", catalog.lookup(rev_id))
-    for path in service.checkpoints.published():
-        parsed = ParsedCheckpointTinkerPath.from_tinker_path(path)
-        if plane.owners.owner(parsed.training_run_id) in (None, tenant):
-            continue  # the tenant's own are listed above
-        try:
-            rev = service.require_checkpoint(path)
-        except FileNotFoundError:
-            continue
-        add(parsed.catalog_ref, "published", rev)
-    return out
+                for tag, rev_id in catalog.tags(policy).items():
+                    add(f"{policy}:{tag}", "store", catalog.lookup(rev_id))
+        else:
+            for path in published.get(policy, ()):
+                try:
+                    add(ParsedCheckpointTinkerPath.from_tinker_path(path).catalog_ref, "published",
+                        service.require_checkpoint(path))
+                except FileNotFoundError:
+                    continue  # deleted or expired since it was published
+    except LookupError:
+        pass  # removed since the page was read, or a policy with no revision yet
+    return [rows[name] for name in sorted(rows)]

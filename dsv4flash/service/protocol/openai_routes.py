@@ -265,12 +265,32 @@ async def stream(request: Request, tenant: str, job: Job, chunk, first=None):
 
 
 # ---- routes ----
+MODELS_PAGE_LIMIT = 1000  # `/v1/models` rows per page unless `limit` says otherwise (at most this many)
+
+
 async def list_models(request: Request) -> Response:
+    """`GET /v1/models[?limit=N&after=ID]`: one page of the tenant's models; `has_more` and `last_id` page on."""
     tenant = tenant_of(request)
     plane = plane_of(request)
-    entries = await asyncio.to_thread(served_models.listing, plane, tenant)
+    limit = _page_limit(request.query_params.get("limit"))
+    after = request.query_params.get("after") or None
+    entries, more = await asyncio.to_thread(served_models.listing, plane, tenant, after=after, limit=limit)
     base = plane.service.base.base_model
-    return JSONResponse({"object": "list", "data": [ow.model_entry(e, base) for e in entries]})
+    return JSONResponse({"object": "list", "data": [ow.model_entry(e, base) for e in entries], "has_more": more,
+                         "first_id": entries[0]["id"] if entries else None,
+                         "last_id": entries[-1]["id"] if entries else None})
+
+
+def _page_limit(raw: str | None) -> int:
+    if raw is None:
+        return MODELS_PAGE_LIMIT
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MODELS_PAGE_LIMIT:
+        raise ow.OpenAIError(400, f"limit: expected an integer from 1 to {MODELS_PAGE_LIMIT}, got {raw!r}", "limit")
+    return limit
 
 
 def _room(request: Request, tenant: str) -> None:
