@@ -3,12 +3,13 @@ ranks and target sets and the bare base in one batch, and requests joining while
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from dsv4flash.engine.sampling import Decoding, Sampling, generate
 from dsv4flash.lora import LoraConfig
-from dsv4flash.model.image import TEXT
+from dsv4flash.model.image import TEXT, prepare_vl_inputs
 from dsv4flash.service.compute.batcher import ContinuousBatcher, Entry
 
 
@@ -18,8 +19,9 @@ def _adapter(resident, pc, seed):
 
 
 def _requests(resident):
-    """(entry, prompt ids, samples, sampling, seed) of 11 requests: three ranks of one target set, a decoder-only
-    set (two of them on one prompt: a shared prefill), and the base; the last three join mid-decode."""
+    """(entry, prompt ids or (ids, types, images), samples, sampling, seed) of 14 requests: three ranks of one
+    target set, a decoder-only set (two of them on one prompt: a shared prefill), the base, and an image prompt;
+    the last three join mid-decode."""
     full2, full4 = LoraConfig(preset="full_linear", rank=2), LoraConfig(preset="full_linear", rank=4, seed=1)
     full8 = LoraConfig(preset="full_linear", rank=8, alpha=3.0, seed=2)
     dec = LoraConfig(preset="decoder_half", rank=2)
@@ -28,16 +30,22 @@ def _requests(resident):
          Entry(dec, _adapter(resident, dec, 5)), Entry()]
     gen = torch.Generator().manual_seed(0)
     p = [torch.randint(3, 400, (n,), generator=gen) for n in (7, 7, 7, 9, 5, 11, 11)]
+    image = np.random.default_rng(0).integers(0, 256, size=(42, 84, 3), dtype=np.uint8)
+    cfg = resident.cfg
+    pic = prepare_vl_inputs(torch.tensor([5, 6, 7, cfg.image_token_id, 8]), [image], cfg, dtype=torch.float32)
+    same_length = torch.randint(3, 400, (pic[0].numel(),), generator=gen)  # a text prompt the image rows meet
     warm, greedy = Sampling(0.9, 20, 0.95, processed_greedy=True), Sampling(0.0, processed_greedy=True)
     return [(e[0], p[0], 2, warm, 11), (e[1], p[1], 1, greedy, 12), (e[5], p[2], 3, warm, 13),
             (e[2], p[0], 2, warm, 14), (e[3], p[3], 2, warm, 15), (e[4], p[3], 2, greedy, 16),
             (e[5], p[5], 2, warm, 20), (e[5], p[6], 1, greedy, 21),  # a cohort of the base alone
+            # an image prompt (its own prefill) decoding with an adapter and the base beside a text prompt
+            (e[0], pic, 2, warm, 22), (e[5], pic, 1, greedy, 23), (e[1], same_length, 2, warm, 24),
             # joining mid-decode: the same lengths as running requests, and new ones
             (e[1], p[4], 2, warm, 17), (e[5], p[0], 1, greedy, 18), (e[0], p[2], 3, warm, 19)]
 
 
 def _state(prompt, n, sampling, seed, stop=()):
-    row = (prompt, torch.full((prompt.numel(),), TEXT), [])
+    row = prompt if isinstance(prompt, tuple) else (prompt, torch.full((prompt.numel(),), TEXT), [])
     return row, Decoding([row] * n, max_new_tokens=6, eos_id=None, pad_id=0, sampling=sampling,
                          generator=torch.Generator().manual_seed(seed), stop=stop, share_prefixes=False)
 
@@ -54,7 +62,7 @@ def _alone(resident, entry, prompt, n, sampling, seed, stop=()):
 def test_batched_requests_equal_each_alone(resident, exact):
     reqs = _requests(resident)
     stop = [(int(reqs[0][1][0]),)]  # a stop token some rows may hit: rows leave at different steps
-    batcher = ContinuousBatcher(resident, exact=exact, gather_s=0.5)  # the first eight arrive as one wave
+    batcher = ContinuousBatcher(resident, exact=exact, gather_s=0.5)  # the first eleven arrive as one wave
     futures = []
     for i, (entry, prompt, n, sampling, seed) in enumerate(reqs):
         if i == len(reqs) - 3:  # the last three join while the others decode
