@@ -122,8 +122,12 @@ class ServiceClient:
         if revision is not None:
             if model_path is not None:
                 raise ValueError("create_sampling_client: give model_path or revision, not both")
-            tensors, placement = self._read_revision(revision, f"revision {revision[:12]}")
-            client = SamplingClient(self, placement, tensors, revision[:12])
+            if self.serving is not None:  # through the tiers like a checkpoint: slots, CPU cache, accounting
+                placement = self._check_through_tiers(f"revision {revision[:12]}", revision)
+                client = SamplingClient(self, placement, None, revision[:12], revision=revision)
+            else:
+                tensors, placement = self._read_revision(revision, f"revision {revision[:12]}")
+                client = SamplingClient(self, placement, tensors, revision[:12])
         elif model_path is None:
             client = SamplingClient(self, None, None, "base")
         elif self.serving is not None:  # the adapter comes from the tiers per call; reading it now checks it

@@ -15,14 +15,14 @@ N_ADAPTERS = 16
 PROMPT = [5, 17, 33, 9, 41]
 
 
-def _publish(store_dir, resident):
-    """16 decoder-half adapters (ranks 2 and 4) published as policies trained outside the server."""
+def _publish(store_dir, resident, n=N_ADAPTERS):
+    """`n` decoder-half adapters (ranks 2 and 4) published as policies trained outside the server."""
     from dsv4flash.lifecycle import AdapterStore, base_fingerprint
 
     store = AdapterStore(store_dir)
     fp = base_fingerprint(resident.cfg)
     out = {}
-    for i in range(N_ADAPTERS):
+    for i in range(n):
         pc = LoraConfig(preset="decoder_half", rank=2 if i % 2 else 4, seed=i)
         gen = torch.Generator().manual_seed(i)
         tensors = {k: torch.randn(v.shape, generator=gen) * 0.05 for k, v in resident.fresh_adapter(pc).items()}
@@ -129,3 +129,30 @@ def test_full_slot_queue_is_429_with_retry_after():
     with TestClient(Starlette(routes=[Route("/busy", guarded(busy))])) as client:
         r = client.get("/busy")
     assert r.status_code == 429 and r.headers["retry-after"] == "3" and "slots are busy" in r.json()["detail"]
+
+
+def test_a_full_slot_queue_is_a_rate_limit_error_the_openai_client_retries_through(tmp_path, resident):
+    """One slot, no queue: while pol0 streams (holding the slot until its last token) a request for pol1 is a
+    429 the `openai` client raises without retries and gets through with them, once the stream ends."""
+    import openai
+
+    from tests.service.http_server import KEYS, running_server, write_keys
+
+    _publish(tmp_path / "store", resident, n=2)
+    args = ("--max-loras", "1", "--max-slot-queue", "0")
+    with running_server(tmp_path / "store", write_keys(tmp_path / "keys"), args=args) as srv:
+        def client(retries):
+            return openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEYS["alice"], max_retries=retries)
+
+        stream = iter(client(0).completions.create(model="pol0:latest", prompt=PROMPT, max_tokens=40,
+                                                   temperature=0.0, stream=True))
+        next(stream)  # pol0 decodes: its lease holds the one slot
+        with pytest.raises(openai.RateLimitError) as err:
+            client(0).completions.create(model="pol1:latest", prompt=PROMPT, max_tokens=2)
+        assert err.value.response.headers["retry-after"].isdigit() and "slot" in err.value.body["message"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            retried = pool.submit(client(30).completions.create, model="pol1:latest", prompt=PROMPT, max_tokens=2)
+            for _ in stream:  # the stream runs to its end and frees the slot
+                pass
+            assert retried.result(timeout=300).choices[0].finish_reason in ("length", "stop")
+        assert _metrics(srv)["requests_rejected_total"] >= 1
