@@ -1,12 +1,15 @@
 """Sampling with the reference model: sampled log-probs equal the teacher-forced ones; shared prefixes are
 computed once without changing the result."""
 
+import itertools
+
 import pytest
 import torch
 
 from dsv4flash.config import load_config
 from dsv4flash.engine.losses import token_logprobs
 from dsv4flash.engine.sampling import generate
+from dsv4flash.model.quant import fake_quant
 from dsv4flash.model.transformer import Transformer
 from dsv4flash.tasks import Encoder, TaskMixture, TaskTokenizer, build_task
 
@@ -112,14 +115,18 @@ def test_cached_decode_samples_what_full_recompute_samples(one_thread):
     model, enc, prompts = _setup(6)
     assert any(p[2] for p in prompts) and len({p[0].numel() for p in prompts}) > 1  # images, ragged prompts
     rows = [p for p in prompts for _ in range(4)]
-    for temperature in (0.9, 0.0):
-        runs = [generate(fwd, rows, max_new_tokens=6, eos_id=enc.tok.eos_id, pad_id=enc.tok.pad_id,
-                         temperature=temperature, generator=torch.Generator().manual_seed(7))
-                for fwd in (model, _recompute(model))]
+    # log-probs are compared with the fake-quant points off: at a code boundary an ulp of another summation order
+    # moves a quantized lane by a whole code (docs/testing.md); the tokens are compared with them on as well
+    for quantized, temperature in itertools.product((True, False), (0.9, 0.0)):
+        with fake_quant(quantized):
+            runs = [generate(fwd, rows, max_new_tokens=6, eos_id=enc.tok.eos_id, pad_id=enc.tok.pad_id,
+                             temperature=temperature, generator=torch.Generator().manual_seed(7))
+                    for fwd in (model, _recompute(model))]
         cached, full = runs
         assert torch.equal(cached.tokens, full.tokens) and torch.equal(cached.mask, full.mask)
-        assert torch.allclose(cached.logprobs, full.logprobs, atol=1e-5)
-    assert len({tuple(cached.response(i)) for i in range(len(rows))}) > 1
+        if not quantized:
+            assert torch.allclose(cached.logprobs, full.logprobs, atol=1e-5)
+        assert len({tuple(cached.response(i)) for i in range(len(rows))}) > 1
 
 
 def test_use_cache_false_forces_recompute_and_true_needs_a_model():
