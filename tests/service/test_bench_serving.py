@@ -24,6 +24,8 @@ def test_serving_bench_quick(tmp_path):
                 "first_token.warm_s", "first_token.prewarmed_alone_s"):
         assert key in figures and figures[key] > 0, key
     assert "uniform.4.tok_s/uniform.1.tok_s" in figures and "staircase.pipelined_4_s/staircase.serial_4_s" in figures
+    assert "staircase.pipelined_4_s/staircase.limit_4_s" in figures  # against the machine's core bound
+    assert figures["staircase.limit_4_s"] <= figures["staircase.serial_4_s"]
     assert figures["uniform.4.ttft_p99_s"] >= figures["uniform.4.ttft_p50_s"]
     # 8 distinct and 1,000 are not in the quick run: only the staircase and prewarm targets are judged
     assert sum(t.startswith(("MET", "MISS")) for t in report.targets) == 2
