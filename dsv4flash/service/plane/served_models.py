@@ -74,15 +74,22 @@ def _checkpoint_of(parsed) -> str | None:
     return None
 
 
+def _published_by_run(plane) -> dict[str, list[str]]:
+    """The published checkpoint paths (canonical), grouped by their training run."""
+    out: dict[str, list[str]] = {}
+    for path in plane.service.checkpoints.published():
+        out.setdefault(ParsedCheckpointTinkerPath.from_tinker_path(path).training_run_id, []).append(path)
+    return out
+
+
 def _published_revisions(plane, policy: str) -> set[str]:
     """Revision ids of the published, unexpired checkpoints of one policy."""
     out = set()
-    for path in plane.service.checkpoints.published():
-        if ParsedCheckpointTinkerPath.from_tinker_path(path).training_run_id == policy:
-            try:
-                out.add(plane.service.require_checkpoint(path).id)
-            except FileNotFoundError:
-                pass  # deleted or expired since it was published
+    for path in _published_by_run(plane).get(policy, ()):
+        try:
+            out.add(plane.service.require_checkpoint(path).id)
+        except FileNotFoundError:
+            pass  # deleted or expired since it was published
     return out
 
 
@@ -98,9 +105,7 @@ def listing(plane, tenant: str, *, after: str | None = None, limit: int | None =
     service = plane.service
     catalog = service.store.catalog
     base = service.base.base_model
-    published: dict[str, list[str]] = {}
-    for path in service.checkpoints.published():
-        published.setdefault(ParsedCheckpointTinkerPath.from_tinker_path(path).training_run_id, []).append(path)
+    published = _published_by_run(plane)
     out: list[dict] = []
     full = (lambda: False) if limit is None else (lambda: len(out) > limit)  # one more row tells has_more
     if after is None:
