@@ -36,6 +36,8 @@ class LoadAccount:
     unpack_ms: float = 0.0  # header/manifest parse, base check, tensor views
     device_ms: float = 0.0  # host -> device slot copy
     total_ms: float = 0.0
+    cpu_ms: float = 0.0  # of total_ms (queue wait excluded), the loading thread's time on a core: a host-bound load
+    # has cpu_ms close to its wall time, so overlapping loads gains at most the cores they can run on
 
     def as_dict(self) -> dict:
         """Plain dict (JSON logs, benchmark reports)."""

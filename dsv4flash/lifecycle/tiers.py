@@ -9,10 +9,11 @@
   FAILED   the load raised (integrity, base mismatch…); `wait()` re-raises it.
 Cold loads of several missing adapters run concurrently in a thread pool (read, hash, unpack and
 device copy of different adapters overlap); `workers=1` gives the serial baseline. Every load is
-accounted (`LoadAccount`: source tier, bytes, tensors, queued/read/unpack/device ms); `hits` counts every
-acquire by the tier that served it (resident, cpu, disk). `prepare(loaded)` (optional) turns a revision read
-from the CPU tier into what the slot holds (the serving path decodes the adapter and its placement there, in
-the loader pool) -> (tensors, meta); `lease.meta` is that meta.
+accounted (`LoadAccount`: source tier, bytes, tensors, queued/read/unpack/device ms, and the loading
+thread's CPU ms); `hits` counts every acquire by the tier that served it (resident, cpu, disk).
+`prepare(loaded)` (optional) turns a revision read from the CPU tier into what the slot holds (the serving
+path decodes the adapter and its placement there, in the loader pool) -> (tensors, meta); `lease.meta` is
+that meta.
 """
 
 from __future__ import annotations
@@ -320,17 +321,17 @@ class AdapterCache:
                 self._cpu_inflight.pop(rev, None)
 
     def _load_into_slot(self, idx: int, lease: Lease, queued_ms: float) -> int:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         with self._lock:
             self.loading += 1
             self.loading_peak = max(self.loading_peak, self.loading)
         try:
-            return self._load_timed(idx, lease, queued_ms, t0)
+            return self._load_timed(idx, lease, queued_ms, t0, cpu0)
         finally:
             with self._lock:
                 self.loading -= 1
 
-    def _load_timed(self, idx: int, lease: Lease, queued_ms: float, t0: float) -> int:
+    def _load_timed(self, idx: int, lease: Lease, queued_ms: float, t0: float, cpu0: float) -> int:
         try:
             loaded, source = self._get_cpu(lease.revision)
             t1 = time.perf_counter()
@@ -352,7 +353,8 @@ class AdapterCache:
         acct = LoadAccount(lease.revision, source, loaded.nbytes, len(loaded.tensors), queued_ms=queued_ms,
                            read_ms=loaded.account.read_ms if source == "disk" else 0.0,
                            unpack_ms=loaded.account.unpack_ms if source == "disk" else 0.0,
-                           device_ms=(t2 - t1) * 1e3, total_ms=queued_ms + (t2 - t0) * 1e3)
+                           device_ms=(t2 - t1) * 1e3, total_ms=queued_ms + (t2 - t0) * 1e3,
+                           cpu_ms=(time.thread_time() - cpu0) * 1e3)
         with self._lock:
             self.accounts.append(acct)
             del self.accounts[:-10000]  # a long-running server keeps the recent ones
