@@ -90,6 +90,8 @@ def test_greedy_completion_and_chat_equal_the_tinker_sample_under_every_name(wor
                                         extra_body={"return_tokens_as_token_ids": True})
         assert _ids(out.choices[0]) == want, name
         assert out.usage.prompt_tokens == len(PROMPT) and out.model == name
+        load = out.adapter_load[0]  # per prompt: how its adapter was had (the serving tiers' figure)
+        assert load["tier"] in ("resident", "cpu", "disk", "loading") and load["wait_ms"] >= 0, load
     tok = _tokenizer(world)
     assert out.choices[0].text == tok.decode(want, skip_special_tokens=True)
     # a chat is the served template's prompt, the assistant turn opened
@@ -118,6 +120,7 @@ def test_streamed_answers_equal_whole_ones(world):
                                            stream_options={"include_usage": True}, **kw):
         if chunk.usage is not None:
             usage = chunk.usage
+            assert [load["tier"] for load in chunk.adapter_load] == ["resident"] * 2  # whole answer just loaded it
         for c in chunk.choices:
             parts[c.index] = parts.get(c.index, "") + c.text
             if c.finish_reason is not None:
@@ -242,7 +245,7 @@ def test_past_the_tenant_bound_is_a_429_with_retry_after(world):
     # a request that fits the bound runs; the client's own retry (on Retry-After) waits out any request of an
     # earlier test still finishing on a loaded machine
     out = _client(world, max_retries=8).completions.create(model="tiny", prompt=[PROMPT] * MAX_PENDING, max_tokens=2)
-    assert len(out.choices) == MAX_PENDING
+    assert len(out.choices) == MAX_PENDING and out.adapter_load == [None] * MAX_PENDING  # the base: no adapter
 
 
 def test_keys_are_the_tinker_routes_keys(world):
