@@ -29,7 +29,7 @@ def test_serving_bench_quick(tmp_path):
     # the loads alone, and what bounds them: their CPU time, at most their wall time
     for key in ("loads.serial_4_s", "loads.pipelined_4_s", "loads.limit_4_s", "staircase.load_cpu_ms"):
         assert figures[key] > 0, key
-    assert 0 < figures["staircase.load_cpu_fraction"] <= 1.05
+    assert figures["staircase.load_cpu_fraction"] > 0 and figures["staircase.load_core_wait_ms"] >= 0
     assert figures["loads.limit_4_s"] <= figures["loads.serial_4_s"]
     assert "loads.pipelined_4_s/loads.limit_4_s" in figures
     assert figures["uniform.4.ttft_p99_s"] >= figures["uniform.4.ttft_p50_s"]
