@@ -40,6 +40,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 _RANK = {k: i for i, k in enumerate(DTYPES)}
+_ITEMSIZE = {k: v.itemsize for k, v in DTYPES.items()}
+_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 MAX_HEADER_BYTES = 100_000_000  # the `safetensors` library's own limit
 
 
@@ -111,10 +113,11 @@ def _parse_header(path: Path, blob: bytes, data_start: int, file_size: int | Non
     """Validate a header blob; return ({name: TensorInfo} in offset order, metadata dict). Offsets are
     absolute (data_start added); with file_size None the data extent is not checked."""
     def no_duplicates(pairs):
-        keys = [k for k, _ in pairs]
-        if len(keys) != len(set(keys)):
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            keys = [k for k, _ in pairs]
             raise SafetensorsError(f"{path}: duplicate key {next(k for k in keys if keys.count(k) > 1)!r} in header")
-        return dict(pairs)
+        return out
 
     try:
         header = json.loads(blob.decode("utf-8"), object_pairs_hook=no_duplicates)
@@ -125,20 +128,20 @@ def _parse_header(path: Path, blob: bytes, data_start: int, file_size: int | Non
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise SafetensorsError(f"{path}: __metadata__ must map strings to strings")
-    entries = []
+    entries, where = [], str(path)  # hot: every cold adapter load parses one entry per tensor
     for name, entry in header.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        if not isinstance(entry, dict) or entry.keys() != _ENTRY_KEYS:
             raise SafetensorsError(f"{path}: tensor {name!r} entry must have exactly dtype, shape, data_offsets")
-        shape = _check_spec(str(path), name, entry["dtype"], entry["shape"])
-        offsets = entry["data_offsets"]
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets)
-                or offsets[0] > offsets[1]):
+        dtype, offsets = entry["dtype"], entry["data_offsets"]
+        shape = _check_spec(where, name, dtype, entry["shape"])
+        if (type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int
+                or type(offsets[1]) is not int or not 0 <= offsets[0] <= offsets[1]):
             raise SafetensorsError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
-        info = TensorInfo(name, entry["dtype"], shape, data_start + offsets[0], data_start + offsets[1])
-        if info.stop - info.start != info.nbytes:
-            raise SafetensorsError(f"{path}: tensor {name!r} shape {list(shape)} {info.dtype} needs {info.nbytes} "
-                                   f"bytes but data_offsets {offsets} span {info.stop - info.start}")
-        entries.append(info)
+        nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+        if offsets[1] - offsets[0] != nbytes:
+            raise SafetensorsError(f"{path}: tensor {name!r} shape {list(shape)} {dtype} needs {nbytes} "
+                                   f"bytes but data_offsets {offsets} span {offsets[1] - offsets[0]}")
+        entries.append(TensorInfo(name, dtype, shape, data_start + offsets[0], data_start + offsets[1]))
     entries.sort(key=lambda i: (i.start, i.stop))
     cursor = data_start
     for info in entries:

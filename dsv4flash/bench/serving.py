@@ -12,6 +12,10 @@ time until its adapter is in a slot (the staircase the target judges) and its ti
 with one loader (serial), `--workers` loaders (pipelined) and after
 `POST /v1/adapters/prewarm`'s `Serving.prewarm` (prewarmed), against a warm (resident) adapter. The page
 cache is warm (the blobs were just written), so "cold" is CPU tier and slots empty, reads from page cache.
+Beside it, the same 16 loads alone (`Serving.prewarm` on empty tiers: the same per-load code, no decoding beside
+it), serial and pipelined, with each load's CPU time (`LoadAccount.cpu_ms`): their sum over the cores is the
+least time any pipelining can take, and CPU over wall says how host-bound a cold load is. Serial and pipelined
+runs alternate `--repeats` times; each figure is the median run's.
 """
 
 from __future__ import annotations
@@ -47,9 +51,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--staircase", type=int, default=16, help="missing adapters of the staircase")
     parser.add_argument("--staircase-rank", type=int, default=64,
                         help="rank of the staircase's adapters (larger files: a load is mostly read and hash)")
+    parser.add_argument("--repeats", type=int, default=3, help="staircase runs of each kind, alternating (median)")
+    parser.add_argument("--parts", default="throughput,staircase", type=_parts_arg,
+                        help="what to run: throughput, staircase or both (comma-separated)")
     parser.add_argument("--mode", default="exact", choices=["exact", "fast"], help="batcher mode")
     parser.add_argument("--plot", default="docs/serving_bench.png", help="PNG of the staircase and throughput")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the test): 1,4 adapters, 8 requests")
+
+
+def _parts(text: str) -> set[str]:
+    """`--parts` -> the parts named (ValueError naming the flag otherwise)."""
+    parts = {p.strip() for p in text.split(",") if p.strip()}
+    if not parts or parts - {"throughput", "staircase"}:
+        raise ValueError(f"--parts: expected throughput and/or staircase (comma-separated), got {text!r}")
+    return parts
+
+
+def _parts_arg(text: str) -> str:
+    try:
+        _parts(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--parts: ")) from None
+    return text
 
 
 def _publish(service, count: int, rank: int | None = None, prefix: str = "bench") -> list[str]:
@@ -150,17 +173,38 @@ def bench_throughput(service, revs: list[str], args, report: BenchReport) -> dic
     return curves
 
 
+def _loads_alone(service, revs: list[str], args, workers: int) -> dict:
+    """The staircase's loads with nothing else running: `Serving.prewarm` of every revision on empty tiers."""
+    serving = _serving(service, args, slots=len(revs), workers=workers)
+    t0 = time.perf_counter()
+    serving.prewarm(revs)
+    wall = time.perf_counter() - t0
+    loads = [a for a in serving.cache.accounts if a.source == "disk"]
+    return {"wall": wall, "cpu_ms": sum(a.cpu_ms for a in loads), "load_ms": sum(a.total_ms - a.queued_ms for a in loads),
+            "core_wait_ms": sum(a.core_wait_ms for a in loads), "n": len(loads)}
+
+
+def _median_run(runs: list[dict], key) -> dict:
+    return sorted(runs, key=key)[len(runs) // 2]
+
+
 def bench_staircase(service, revs: list[str], args, report: BenchReport) -> dict[str, list[float]]:
     from dsv4flash.service.compute.sampling import SamplingClient
 
     rng = random.Random(1)
     k = args.staircase
+    alone: dict[str, list[dict]] = {"serial": [], "pipelined": []}
+    served: dict[str, list[dict]] = {"serial": [], "pipelined": []}
+    for _ in range(max(1, args.repeats)):
+        for label, workers in (("serial", 1), ("pipelined", args.workers)):
+            alone[label].append(_loads_alone(service, revs[:k], args, workers))
+            _serving(service, args, slots=k, workers=workers)
+            clients = [SamplingClient(service, None, None, f"s{i}", revision=revs[i]) for i in range(k)]
+            served[label].append(_load(service, clients, args, rng))
     stairs, ready = {}, {}
-    for label, workers in (("serial", 1), ("pipelined", args.workers)):
-        _serving(service, args, slots=k, workers=workers)
-        clients = [SamplingClient(service, None, None, f"s{i}", revision=revs[i]) for i in range(k)]
-        res = _load(service, clients, args, rng)
-        stairs[label], ready[label] = res["ttft"], res["ready"]
+    for label, runs in served.items():
+        run = _median_run(runs, lambda r: r["ready"][-1])
+        stairs[label], ready[label] = run["ttft"], run["ready"]
     serving = _serving(service, args, slots=k + 1, workers=args.workers)
     serving.prewarm(revs[:k])
     clients = [SamplingClient(service, None, None, f"p{i}", revision=revs[i]) for i in range(k)]
@@ -173,6 +217,20 @@ def bench_staircase(service, revs: list[str], args, report: BenchReport) -> dict
     pre_one = statistics.median(_load(service, [clients[i]], args, rng)["ttft"][0] for i in (1, 2, 3))
     # loads are read + hash + decode on the host: pipelining gains at most the cores it can run them on
     lanes = max(1, min(args.workers, os.cpu_count() or 1))
+    serial = _median_run(alone["serial"], lambda r: r["wall"])
+    pipelined = _median_run(alone["pipelined"], lambda r: r["wall"])
+    report.add("staircase.load_cpu_ms", serial["cpu_ms"] / serial["n"], "ms",
+               note="one cold load's CPU time (read, sha256, header, views, decode; serial loads alone)")
+    report.add("staircase.load_wall_ms", serial["load_ms"] / serial["n"], "ms", note="its wall time")
+    report.add("staircase.load_core_wait_ms", serial["core_wait_ms"] / serial["n"], "ms",
+               note="of which runnable, waiting for a core (LoadAccount.core_wait_ms: other work, not the load)")
+    report.add("staircase.load_cpu_fraction", serial["cpu_ms"] / (serial["load_ms"] - serial["core_wait_ms"]), "",
+               note="CPU over wall less the waits for a core: 1 is a purely host-bound load (no I/O or lock waits)")
+    report.add(f"loads.limit_{k}_s", serial["cpu_ms"] / 1e3 / lanes, "s",
+               note=f"the serial loads' CPU time over {lanes} cores: no pipelining finishes sooner")
+    report.add(f"loads.serial_{k}_s", serial["wall"], "s", note=f"{k} loads alone (prewarm, nothing decoding), 1 loader")
+    report.add(f"loads.pipelined_{k}_s", pipelined["wall"], "s", baseline=f"loads.serial_{k}_s",
+               limit=f"loads.limit_{k}_s", note=f"the same with {args.workers} loaders")
     report.add(f"staircase.limit_{k}_s", ready["serial"][-1] / lanes, "s",
                note=f"the serial staircase over {lanes} cores (min of loaders and this machine's cores)")
     for label, ys in ready.items():
@@ -190,32 +248,38 @@ def bench_staircase(service, revs: list[str], args, report: BenchReport) -> dict
     return {"ready": ready, "ttft": stairs}
 
 
-def _plot(stairs: dict, curves: dict, path: str, args, report: BenchReport) -> None:
+def _plot(stairs: dict | None, curves: dict | None, path: str, args, report: BenchReport) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for (label, ys), color in zip(stairs["ready"].items(), ("C0", "C1", "C2")):
-        left.plot(range(1, len(ys) + 1), ys, "o-", color=color, label=f"{label}: in its slot")
-        ttft = stairs["ttft"][label]
-        left.plot(range(1, len(ttft) + 1), ttft, ":", color=color, label=f"{label}: first token")
-    left.set_xlabel("k-th of the missing adapters requested at once")
-    left.set_ylabel("seconds from the requests")
-    left.set_title(f"Cold-load staircase ({len(stairs['ready']['serial'])} adapters, tiny model)", fontsize=10)
-    left.grid(alpha=0.3)
-    left.legend()
-    for mix, pts in curves.items():
-        if pts:
-            right.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{mix} mix")
-    right.axhline(report.value("base.tok_s"), color="grey", ls="--", label="bare base")
-    right.set_xscale("log")
-    right.set_xlabel("distinct adapters in the load")
-    right.set_ylabel("decode tokens/s")
-    right.set_title(f"Throughput, {args.mode} batching, {args.max_loras} slots", fontsize=10)
-    right.grid(alpha=0.3)
-    right.legend()
+    panels = [p for p in (stairs, curves) if p is not None]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    axes = list(axes[0])
+    if stairs is not None:
+        left = axes.pop(0)
+        for (label, ys), color in zip(stairs["ready"].items(), ("C0", "C1", "C2")):
+            left.plot(range(1, len(ys) + 1), ys, "o-", color=color, label=f"{label}: in its slot")
+            ttft = stairs["ttft"][label]
+            left.plot(range(1, len(ttft) + 1), ttft, ":", color=color, label=f"{label}: first token")
+        left.set_xlabel("k-th of the missing adapters requested at once")
+        left.set_ylabel("seconds from the requests")
+        left.set_title(f"Cold-load staircase ({len(stairs['ready']['serial'])} adapters, tiny model)", fontsize=10)
+        left.grid(alpha=0.3)
+        left.legend()
+    if curves is not None:
+        right = axes.pop(0)
+        for mix, pts in curves.items():
+            if pts:
+                right.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{mix} mix")
+        right.axhline(report.value("base.tok_s"), color="grey", ls="--", label="bare base")
+        right.set_xscale("log")
+        right.set_xlabel("distinct adapters in the load")
+        right.set_ylabel("decode tokens/s")
+        right.set_title(f"Throughput, {args.mode} batching, {args.max_loras} slots", fontsize=10)
+        right.grid(alpha=0.3)
+        right.legend()
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -223,24 +287,27 @@ def _plot(stairs: dict, curves: dict, path: str, args, report: BenchReport) -> N
 
 
 def run(args: argparse.Namespace) -> BenchReport:
-    """Both parts on one resident tiny base and one temporary store."""
+    """Both parts (or those `--parts` names) on one resident tiny base and one temporary store."""
     from dsv4flash.service.client import ServiceClient
 
+    parts = _parts(args.parts)
     if args.quick:
-        args.adapters, args.requests, args.tokens, args.staircase = "1,4", 8, 3, 4
+        args.adapters, args.requests, args.tokens, args.staircase, args.repeats = "1,4", 8, 3, 4, 1
         args.max_loras, args.max_cpu_loras, args.staircase_rank = 4, 4, 8
     torch.set_num_threads(1)
     report = BenchReport(f"serving: continuous batching over adapters + tiers ({args.mode} mode)")
     with tempfile.TemporaryDirectory(prefix="dsv4flash-bench-serving-") as root:
         service = ServiceClient("tiny", root=Path(root))
-        counts = [int(x) for x in args.adapters.split(",")]
-        revs = _publish(service, max(counts))
-        stair_revs = _publish(service, args.staircase + 1, rank=args.staircase_rank, prefix="stair")
-        report.add("staircase.adapter_mb", service.store.blobs.path(stair_revs[0]).stat().st_size / 2**20, "MiB",
-                   note=f"one staircase adapter (decoder-half, rank {args.staircase_rank})")
+        curves = stairs = None
         try:
-            curves = bench_throughput(service, revs, args, report)
-            stairs = bench_staircase(service, stair_revs, args, report)
+            if "throughput" in parts:
+                revs = _publish(service, max(int(x) for x in args.adapters.split(",")))
+                curves = bench_throughput(service, revs, args, report)
+            if "staircase" in parts:
+                stair_revs = _publish(service, args.staircase + 1, rank=args.staircase_rank, prefix="stair")
+                report.add("staircase.adapter_mb", service.store.blobs.path(stair_revs[0]).stat().st_size / 2**20,
+                           "MiB", note=f"one staircase adapter (decoder-half, rank {args.staircase_rank})")
+                stairs = bench_staircase(service, stair_revs, args, report)
         finally:
             if service.serving is not None:
                 service.serving.close()
@@ -253,14 +320,17 @@ def run(args: argparse.Namespace) -> BenchReport:
                 report.target(f"{mix} mix, {n} distinct adapters: {ratio:.2f}x single-adapter tokens/s "
                               f"(target >= {target})", ratio >= target)
     k = args.staircase
-    ratio = fig[f"staircase.pipelined_{k}_s"] / fig[f"staircase.serial_{k}_s"]
-    bound = fig[f"staircase.limit_{k}_s"] / fig[f"staircase.serial_{k}_s"]
-    report.target(f"pipelined staircase: {ratio:.2f}x serial for {k} missing adapters, until all are in their slots "
-                  f"(target <= {TARGET_STAIRCASE}; this machine's core bound {bound:.2f}x)",
-                  ratio <= TARGET_STAIRCASE)
-    ratio = fig["first_token.prewarmed_alone_s"] / fig["first_token.warm_s"]
-    report.target(f"prewarmed first token: {ratio:.2f}x a warm adapter's (target <= {TARGET_PREWARM})",
-                  ratio <= TARGET_PREWARM)
+    if stairs is not None:
+        ratio = fig[f"staircase.pipelined_{k}_s"] / fig[f"staircase.serial_{k}_s"]
+        bound = fig[f"staircase.limit_{k}_s"] / fig[f"staircase.serial_{k}_s"]
+        alone = fig[f"loads.pipelined_{k}_s"] / fig[f"loads.serial_{k}_s"]
+        report.target(f"pipelined staircase: {ratio:.2f}x serial for {k} missing adapters, until all are in their "
+                      f"slots (target <= {TARGET_STAIRCASE}; this machine's core bound {bound:.2f}x; the loads alone "
+                      f"{alone:.2f}x; a cold load is {fig['staircase.load_cpu_fraction']:.0%} CPU once it has a core)",
+                      ratio <= TARGET_STAIRCASE)
+        ratio = fig["first_token.prewarmed_alone_s"] / fig["first_token.warm_s"]
+        report.target(f"prewarmed first token: {ratio:.2f}x a warm adapter's (target <= {TARGET_PREWARM})",
+                      ratio <= TARGET_PREWARM)
     if args.plot:
         _plot(stairs, curves, args.plot, args, report)
     return report

@@ -20,7 +20,7 @@ from dsv4flash.lifecycle.fingerprint import BaseFingerprint, check_compatible
 from dsv4flash.lifecycle.revision import LayoutManifest, manifest_from_header
 from dsv4flash.lifecycle.safetensors_io import read_safetensors
 
-__all__ = ["LoadAccount", "LoadedRevision", "read_revision_blob"]
+__all__ = ["LoadAccount", "LoadedRevision", "read_revision_blob", "thread_core_wait_ms"]
 
 
 @dataclass
@@ -36,6 +36,9 @@ class LoadAccount:
     unpack_ms: float = 0.0  # header/manifest parse, base check, tensor views
     device_ms: float = 0.0  # host -> device slot copy
     total_ms: float = 0.0
+    cpu_ms: float = 0.0  # of total_ms (queue wait excluded), the loading thread's time on a core: a host-bound load
+    # has cpu_ms close to its wall time less core_wait_ms, so overlapping loads gains at most the cores they run on
+    core_wait_ms: float = 0.0  # of total_ms, runnable but waiting for a core (other work on the machine; Linux only)
 
     def as_dict(self) -> dict:
         """Plain dict (JSON logs, benchmark reports)."""
@@ -51,6 +54,15 @@ class LoadedRevision:
     manifest: LayoutManifest
     nbytes: int
     account: LoadAccount
+
+
+def thread_core_wait_ms() -> float:
+    """Milliseconds the calling thread has spent runnable but waiting for a core (Linux schedstat; 0.0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def read_revision_blob(

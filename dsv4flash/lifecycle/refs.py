@@ -28,6 +28,7 @@ _PATH = re.compile(r"(tinker|mint)://([^/]+)/(weights|sampler_weights|external_w
 _KIND: dict[str, CheckpointType] = {"weights": "training", "sampler_weights": "sampler",
                                     "external_weights": "external"}
 _SEGMENT = {kind: segment for segment, kind in _KIND.items()}
+CHECKPOINT_TAG_PREFIXES = tuple(f"{segment}." for segment in _KIND)  # the catalog tags that are checkpoints
 _MODEL_ID = re.compile(r"([^:]+):train:(0|[1-9][0-9]*)")
 REVISION_SEP = "@"
 REVISION_PATTERN = re.compile(r"[0-9a-f]{6,64}")  # a revision id (64 hex) or a prefix of it

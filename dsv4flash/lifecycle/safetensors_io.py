@@ -220,15 +220,28 @@ def read_safetensors(
     else:
         with ThreadPoolExecutor(max_workers=threads) as pool:
             list(pool.map(lambda s: src.readinto_at(view[s[0]:s[1]], header.data_offset + s[0]), spans))
-    return {e.name: _view(buf, e) for e in header.entries}, header
+    return _views(buf, header.entries), header
 
 
-def _view(buf: torch.Tensor, e: TensorEntry) -> torch.Tensor:
-    raw = buf[e.start:e.end]
-    dtype = DTYPES[e.dtype]
-    if e.start % _ITEMSIZE[e.dtype]:
-        raw = raw.clone()  # a foreign file with unaligned offsets: one copy instead of a crash
-    return raw.view(dtype).view(e.shape)
+def _views(buf: torch.Tensor, entries: tuple[TensorEntry, ...]) -> dict[str, torch.Tensor]:
+    """Zero-copy tensors over `buf`, one `split` per run of same-dtype tensors (the library's order keeps a
+    dtype's tensors together): two torch calls per tensor fewer than slicing each one out, which is a tenth of
+    a packed adapter's load on the host."""
+    out: dict[str, torch.Tensor] = {}
+    i = 0
+    while i < len(entries):
+        dtype, j = entries[i].dtype, i + 1
+        while j < len(entries) and entries[j].dtype == dtype:
+            j += 1
+        run, size = entries[i:j], _ITEMSIZE[dtype]
+        if run[0].start % size:  # a foreign file with unaligned offsets: one copy each instead of a crash
+            out.update((e.name, buf[e.start:e.end].clone().view(DTYPES[dtype]).view(e.shape)) for e in run)
+        else:  # entries are contiguous in offset order (the header check refuses gaps and overlaps)
+            flat = buf[run[0].start:run[-1].end].view(DTYPES[dtype])
+            parts = flat.split([(e.end - e.start) // size for e in run])
+            out.update((e.name, part.view(e.shape)) for e, part in zip(run, parts))
+        i = j
+    return out
 
 
 _IOV_MAX = 1024  # Linux limit on buffers per preadv call

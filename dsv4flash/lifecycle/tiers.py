@@ -9,10 +9,11 @@
   FAILED   the load raised (integrity, base mismatch…); `wait()` re-raises it.
 Cold loads of several missing adapters run concurrently in a thread pool (read, hash, unpack and
 device copy of different adapters overlap); `workers=1` gives the serial baseline. Every load is
-accounted (`LoadAccount`: source tier, bytes, tensors, queued/read/unpack/device ms); `hits` counts every
-acquire by the tier that served it (resident, cpu, disk). `prepare(loaded)` (optional) turns a revision read
-from the CPU tier into what the slot holds (the serving path decodes the adapter and its placement there, in
-the loader pool) -> (tensors, meta); `lease.meta` is that meta.
+accounted (`LoadAccount`: source tier, bytes, tensors, queued/read/unpack/device ms, and the loading
+thread's CPU ms and waits for a core); `hits` counts every acquire by the tier that served it (resident, cpu, disk).
+`prepare(loaded)` (optional) turns a revision read from the CPU tier into what the slot holds (the serving
+path decodes the adapter and its placement there, in the loader pool) -> (tensors, meta); `lease.meta` is
+that meta.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Callable, Iterable
 from dsv4flash.lifecycle.cpu_cache import CpuCache
 from dsv4flash.lifecycle.errors import LifecycleError, SlotQueueFull
 from dsv4flash.lifecycle.fingerprint import BaseFingerprint
-from dsv4flash.lifecycle.loader import LoadAccount, LoadedRevision, read_revision_blob
+from dsv4flash.lifecycle.loader import LoadAccount, LoadedRevision, read_revision_blob, thread_core_wait_ms
 from dsv4flash.lifecycle.slots import SlotPool
 from dsv4flash.lifecycle.store import AdapterStore
 
@@ -320,17 +321,18 @@ class AdapterCache:
                 self._cpu_inflight.pop(rev, None)
 
     def _load_into_slot(self, idx: int, lease: Lease, queued_ms: float) -> int:
-        t0 = time.perf_counter()
+        t0, cpu0, wait0 = time.perf_counter(), time.thread_time(), thread_core_wait_ms()
         with self._lock:
             self.loading += 1
             self.loading_peak = max(self.loading_peak, self.loading)
         try:
-            return self._load_timed(idx, lease, queued_ms, t0)
+            return self._load_timed(idx, lease, queued_ms, (t0, cpu0, wait0))
         finally:
             with self._lock:
                 self.loading -= 1
 
-    def _load_timed(self, idx: int, lease: Lease, queued_ms: float, t0: float) -> int:
+    def _load_timed(self, idx: int, lease: Lease, queued_ms: float, start: tuple[float, float, float]) -> int:
+        t0, cpu0, wait0 = start
         try:
             loaded, source = self._get_cpu(lease.revision)
             t1 = time.perf_counter()
@@ -352,7 +354,8 @@ class AdapterCache:
         acct = LoadAccount(lease.revision, source, loaded.nbytes, len(loaded.tensors), queued_ms=queued_ms,
                            read_ms=loaded.account.read_ms if source == "disk" else 0.0,
                            unpack_ms=loaded.account.unpack_ms if source == "disk" else 0.0,
-                           device_ms=(t2 - t1) * 1e3, total_ms=queued_ms + (t2 - t0) * 1e3)
+                           device_ms=(t2 - t1) * 1e3, total_ms=queued_ms + (t2 - t0) * 1e3,
+                           cpu_ms=(time.thread_time() - cpu0) * 1e3, core_wait_ms=thread_core_wait_ms() - wait0)
         with self._lock:
             self.accounts.append(acct)
             del self.accounts[:-10000]  # a long-running server keeps the recent ones

@@ -123,8 +123,8 @@ class ServiceClient:
             if model_path is not None:
                 raise ValueError("create_sampling_client: give model_path or revision, not both")
             if self.serving is not None:  # through the tiers like a checkpoint: slots, CPU cache, accounting
-                placement = self._check_through_tiers(f"revision {revision[:12]}", revision)
-                client = SamplingClient(self, placement, None, revision[:12], revision=revision)
+                placement, figure = self._check_through_tiers(f"revision {revision[:12]}", revision)
+                client = SamplingClient(self, placement, None, revision[:12], revision=revision, loaded=figure)
             else:
                 tensors, placement = self._read_revision(revision, f"revision {revision[:12]}")
                 client = SamplingClient(self, placement, tensors, revision[:12])
@@ -132,10 +132,10 @@ class ServiceClient:
             client = SamplingClient(self, None, None, "base")
         elif self.serving is not None:  # the adapter comes from the tiers per call; reading it now checks it
             rec = self.require_checkpoint(model_path)
-            placement = self._check_through_tiers(model_path, rec.id)
+            placement, figure = self._check_through_tiers(model_path, rec.id)
             client = SamplingClient(self, placement, None,
                                     ParsedCheckpointTinkerPath.from_tinker_path(model_path).checkpoint_id,
-                                    revision=rec.id)
+                                    revision=rec.id, loaded=figure)
         else:
             tensors, _, pc = self._read_checkpoint(model_path, False)
             client = SamplingClient(self, pc, tensors,
@@ -257,13 +257,13 @@ class ServiceClient:
         return self._fingerprint
 
     def _check_through_tiers(self, path: str, revision: str):
-        """Load a checkpoint's revision into a slot (accounted, left resident) -> its placement; damage is a
-        `CheckpointIntegrityError` naming the path, as for every other reader."""
+        """Load a checkpoint's revision into a slot (accounted, left resident) -> (its placement, the LoadFigure);
+        damage is a `CheckpointIntegrityError` naming the path, as for every other reader."""
         from dsv4flash.lifecycle.errors import BaseMismatchError, LifecycleError, SlotQueueFull
 
         try:
-            with self.serving.adapter(revision) as (placement, _, _):
-                return placement
+            with self.serving.adapter(revision) as (placement, _, figure):
+                return placement, figure
         except (BaseMismatchError, SlotQueueFull):
             raise
         except LifecycleError as exc:

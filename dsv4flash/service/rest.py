@@ -13,6 +13,8 @@ from datetime import datetime, timezone
 
 from tinker.types import Checkpoint, CheckpointsListResponse, Cursor, TrainingRun, TrainingRunsResponse
 
+from dsv4flash.lifecycle.errors import PolicyNotFoundError
+from dsv4flash.lifecycle.refs import CHECKPOINT_TAG_PREFIXES
 from dsv4flash.service.futures import APIFuture, OrderedExecutor
 from dsv4flash.service.types import CheckpointArchiveUrlResponse, ParsedCheckpointTinkerPath
 
@@ -80,20 +82,27 @@ class RestClient:
     def _checkpoints_of(self, run_id: str) -> list[Checkpoint]:
         """A run's checkpoints, newest first."""
         catalog = self.service.store.catalog
-        out = []
-        for tag, rev_id in catalog.tags(run_id).items():
-            try:  # one row that cannot be shown (a name no path can spell, a time out of range) must not fail the list
-                path = ParsedCheckpointTinkerPath.from_tag(run_id, tag)
-                if path is None:
-                    continue  # a tag set through the lifecycle API, not a Tinker checkpoint
-                rev, entry = catalog.lookup(rev_id), self.service.checkpoints.get(path.tinker_path)
-                out.append(Checkpoint(checkpoint_id=path.run_relative, checkpoint_type=path.checkpoint_type,
-                                      time=_when(rev.created), tinker_path=path.tinker_path, size_bytes=int(rev.nbytes),
-                                      public=bool(entry["public"]), expires_at=_when(entry["expires_at"])))
-            except (ValueError, TypeError, OverflowError, OSError, LookupError) as exc:
-                log.warning("listing of run %s: checkpoint %s skipped (%s)", run_id, tag, exc)
+        rows = [self._checkpoint(run_id, tag, lambda rev_id=rev_id: catalog.lookup(rev_id))
+                for tag, rev_id in catalog.tags(run_id).items()]
+        out = [c for c in rows if c is not None]
         out.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)
         return out
+
+    def _checkpoint(self, run_id: str, tag: str, revision) -> Checkpoint | None:
+        """The Checkpoint a run's catalog tag names (`revision()` its RevisionRecord); None for a tag that is no
+        checkpoint or a row that cannot be shown (a name no path can spell, a time out of range: logged, so one
+        such row never fails a listing)."""
+        try:
+            path = ParsedCheckpointTinkerPath.from_tag(run_id, tag)
+            if path is None:
+                return None  # a tag set through the lifecycle API, not a Tinker checkpoint
+            rev, entry = revision(), self.service.checkpoints.get(path.tinker_path)
+            return Checkpoint(checkpoint_id=path.run_relative, checkpoint_type=path.checkpoint_type,
+                              time=_when(rev.created), tinker_path=path.tinker_path, size_bytes=int(rev.nbytes),
+                              public=bool(entry["public"]), expires_at=_when(entry["expires_at"]))
+        except (ValueError, TypeError, OverflowError, OSError, LookupError) as exc:
+            log.warning("listing of run %s: checkpoint %s skipped (%s)", run_id, tag, exc)
+            return None
 
     def _training_run(self, run_id: str) -> TrainingRun:
         record = self.service.store.catalog.policy(run_id)  # PolicyNotFoundError names the run
@@ -115,22 +124,33 @@ class RestClient:
         return CheckpointsListResponse(checkpoints=out, cursor=Cursor(offset=0, limit=len(out), total_count=len(out)))
 
     def _list_user_checkpoints(self, limit: int, offset: int) -> CheckpointsListResponse:
+        """One page of every run's checkpoints, newest first (ties: run, then name, descending), read from the
+        catalog page by page: a page costs its own rows however many runs the store holds."""
         self.service.expire_checkpoints()
-        every = [c for run_id in self.service.store.catalog.list_policies() for c in self._checkpoints_of(run_id)]
-        every.sort(key=lambda c: (c.time, c.tinker_path), reverse=True)
-        return CheckpointsListResponse(checkpoints=every[offset:offset + limit],
-                                       cursor=Cursor(offset=offset, limit=limit, total_count=len(every)))
+        catalog = self.service.store.catalog
+        rows = catalog.list_tagged(CHECKPOINT_TAG_PREFIXES, limit=limit, offset=offset)
+        page = [self._checkpoint(run_id, tag, lambda rev=rev: rev) for run_id, tag, rev in rows]
+        return CheckpointsListResponse(checkpoints=[c for c in page if c is not None],
+                                       cursor=Cursor(offset=offset, limit=limit,
+                                                     total_count=catalog.count_tagged(CHECKPOINT_TAG_PREFIXES)))
 
     def _run(self, run_id: str) -> TrainingRun:
         self.service.expire_checkpoints()
         return self._training_run(run_id)
 
     def _list_runs(self, limit: int, offset: int) -> TrainingRunsResponse:
+        """One page of the runs, most recently updated first (ties: run id, descending), paged by the catalog: a
+        page reads its own runs, not the store's every policy."""
         self.service.expire_checkpoints()
-        runs = [self._training_run(name) for name in self.service.store.catalog.list_policies()]
-        runs.sort(key=lambda r: (r.last_request_time, r.training_run_id), reverse=True)
-        return TrainingRunsResponse(training_runs=runs[offset:offset + limit],
-                                    cursor=Cursor(offset=offset, limit=limit, total_count=len(runs)))
+        catalog = self.service.store.catalog
+        runs = []
+        for name in catalog.list_policies(newest_first=True, limit=limit, offset=offset):
+            try:
+                runs.append(self._training_run(name))
+            except PolicyNotFoundError:
+                continue  # removed since the page was read
+        return TrainingRunsResponse(training_runs=runs,
+                                    cursor=Cursor(offset=offset, limit=limit, total_count=catalog.count_policies()))
 
     def _flag(self, path: str, public: bool) -> None:
         self.service.require_checkpoint(path)

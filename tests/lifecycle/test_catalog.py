@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import pytest
 
@@ -145,6 +146,28 @@ def test_base_and_policy_checks(cat, base_fp, other_fp):
     assert cat.list_policies(limit=1) == ["other"]  # keyset pages, as /v1/models reads them
     assert cat.list_policies(after="other", limit=5) == ["pol"] and cat.list_policies(after="pol") == []
     assert cat.list_policies(after="a") == ["other", "pol"]  # a cursor need not be a name
+
+
+def test_newest_first_pages_and_tag_listings(cat, base_fp):
+    """Runs newest first and tags across policies newest revision first, paged by limit/offset in the database."""
+    for i, name in enumerate(["p1", "p2", "p3"]):
+        cat.create_policy(name, base_fp)
+        cat.register(replace(rev(f"{name}-a", name, None, base_fp), created=100.0 + i), tags=["weights.a", "other"])
+        cat.register(replace(rev(f"{name}-b", name, None, base_fp), created=200.0 - i), tags=["sampler_weights.b"])
+    order = cat.list_policies(newest_first=True)
+    assert order[:3] == ["p3", "p2", "p1"] and order[3] == "pol" and cat.count_policies() == 4  # pol: never updated since
+    assert cat.list_policies(newest_first=True, limit=2, offset=1) == ["p2", "p1"]
+    assert cat.list_policies(newest_first=True, offset=3) == ["pol"] and cat.list_policies(limit=0) == []
+    kinds = ("weights.", "sampler_weights.")
+    rows = cat.list_tagged(kinds)
+    assert [(p, t) for p, t, _ in rows] == [("p1", "sampler_weights.b"), ("p2", "sampler_weights.b"),
+                                            ("p3", "sampler_weights.b"), ("p3", "weights.a"), ("p2", "weights.a"),
+                                            ("p1", "weights.a")]
+    assert rows[0][2].id == rid("p1-b") and rows[0][2].created == 200.0 and cat.count_tagged(kinds) == 6
+    assert cat.list_tagged(kinds, limit=2, offset=3) == rows[3:5] and cat.count_tagged(["other"]) == 3
+    assert cat.list_tagged(["weights_"]) == []  # a prefix is literal: '_' matches no other character
+    with pytest.raises(ValueError, match="offset"):
+        cat.list_policies(newest_first=True, offset=-1)
 
 
 def test_policy_record_state_rollouts_evals(cat, base_fp):

@@ -43,6 +43,29 @@ def test_we_read_files_written_by_safetensors(tmp_path):
     assert torch.equal(ours["b.bf16"], TENSORS["b.bf16"]) and torch.equal(ours["a.f32"], TENSORS["a.f32"])
 
 
+def test_foreign_order_and_unaligned_offsets_read_right(tmp_path):
+    """Tensors are views per run of one dtype: a file that interleaves dtypes, or puts a float32 at an odd
+    offset (another writer's layout, not ours), still reads every tensor right."""
+    import json
+    import struct
+
+    parts = [("c", "I8", [3], torch.tensor([1, -2, 3], dtype=torch.int8)),
+             ("a", "F32", [2, 1], torch.tensor([[1.5], [-2.0]])),  # starts at byte 3: unaligned
+             ("b", "F32", [0], torch.zeros(0)), ("z", "F32", [], torch.tensor(7.0)),
+             ("h", "BF16", [2], torch.tensor([0.5, 4.0]).to(torch.bfloat16)),
+             ("y", "F32", [1], torch.tensor([9.0]))]
+    header, data = {}, b""
+    for name, dtype, shape, t in parts:
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    blob = json.dumps(header).encode()
+    (tmp_path / "f.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+    ours, _ = read_safetensors(tmp_path / "f.safetensors")
+    for name, _, shape, t in parts:
+        assert ours[name].dtype == t.dtype and list(ours[name].shape) == shape and torch.equal(ours[name], t), name
+
+
 def test_bytes_are_deterministic_regardless_of_dict_order():
     a, b = io.BytesIO(), io.BytesIO()
     write_safetensors(a, TENSORS)

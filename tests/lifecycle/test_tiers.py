@@ -100,6 +100,8 @@ def test_accounting_tiers_and_attach(setup):
             acct = lease.account
             assert acct.source == "disk" and acct.nbytes == store.blobs.path(revs[0]).stat().st_size
             assert acct.n_tensors == len(adapters[0].to_packed_tensors()) and acct.total_ms >= acct.read_ms > 0
+            assert 0 < acct.cpu_ms <= acct.total_ms - acct.queued_ms + 1.0  # the loading thread's share of its wall
+            assert 0 <= acct.core_wait_ms <= acct.total_ms - acct.queued_ms + 1.0
             twin = cache.acquire(revs[0])  # same revision while held: shares the slot, no load
             assert twin.wait() == lease.slot and twin.account.source == "resident"
             twin.release()

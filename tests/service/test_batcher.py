@@ -86,3 +86,20 @@ def test_batched_requests_equal_each_alone(resident, exact):
             assert torch.equal(out.logprobs, ref.logprobs), f"request {i}"
         else:
             torch.testing.assert_close(out.logprobs, ref.logprobs, rtol=0, atol=1e-4, msg=f"request {i}")
+
+
+def test_jobs_and_entries_compare_by_identity():
+    """A batcher's Job, Cohort and Entry hold tensors: `in`, `remove` and sets go by identity (a field-wise `==`
+    would ask a tensor for its truth value)."""
+    from concurrent.futures import Future
+
+    from dsv4flash.service.compute.batcher import Cohort, Job
+
+    pc = LoraConfig(preset="decoder_half", rank=2)
+    twins = [Entry(pc, {"a": torch.ones(2, 3)}), Entry(pc, {"a": torch.ones(2, 3)})]  # equal fields, two requests
+    jobs = [Job(e, (torch.arange(4),), None, Future()) for e in twins]
+    assert jobs[1] in jobs and jobs[0] != jobs[1] and len({*jobs, *twins}) == 4
+    jobs.remove(jobs[1])
+    assert len(jobs) == 1 and jobs[0].entry is twins[0]
+    cohorts = [Cohort(None, jobs, None), Cohort(None, list(jobs), None)]
+    assert cohorts.index(cohorts[1]) == 1

@@ -90,6 +90,8 @@ def test_greedy_completion_and_chat_equal_the_tinker_sample_under_every_name(wor
                                         extra_body={"return_tokens_as_token_ids": True})
         assert _ids(out.choices[0]) == want, name
         assert out.usage.prompt_tokens == len(PROMPT) and out.model == name
+        load = out.adapter_load[0]  # per prompt: how its adapter was had (the serving tiers' figure)
+        assert load["tier"] in ("resident", "cpu", "disk", "loading") and load["wait_ms"] >= 0, load
     tok = _tokenizer(world)
     assert out.choices[0].text == tok.decode(want, skip_special_tokens=True)
     # a chat is the served template's prompt, the assistant turn opened
@@ -118,6 +120,7 @@ def test_streamed_answers_equal_whole_ones(world):
                                            stream_options={"include_usage": True}, **kw):
         if chunk.usage is not None:
             usage = chunk.usage
+            assert [load["tier"] for load in chunk.adapter_load] == ["resident"] * 2  # whole answer just loaded it
         for c in chunk.choices:
             parts[c.index] = parts.get(c.index, "") + c.text
             if c.finish_reason is not None:
@@ -143,6 +146,33 @@ def test_a_stop_sequence_ends_the_choice_and_is_cut(world):
     out = client.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=0,
                                     extra_body={"return_tokens_as_token_ids": True, "stop_token_ids": [ids[k]]})
     assert _ids(out.choices[0]) == ids[:k] and out.choices[0].finish_reason == "stop"
+    # `stop` as a string: matched on the served tokenizer's encoding of it, and cut from the text
+    tok = _tokenizer(world)
+    k = next((i for i in range(1, len(ids)) if ids[i] not in ids[:i]
+              and tok(tok.decode([ids[i]]), add_special_tokens=False)["input_ids"] == [ids[i]]), None)
+    if k is None:
+        pytest.fail(f"greedy tokens {ids}: none spells itself back as one token, no stop string to pick")
+    out = client.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    stop=[tok.decode([ids[k]])])
+    assert out.choices[0].text == tok.decode(ids[:k], skip_special_tokens=True)
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == k + 1  # the stop counted
+
+
+def test_top_k_and_top_p_are_applied(world):
+    """`top_k=1` or a `top_p` that keeps one token leaves only the most likely token at any temperature: the
+    greedy tokens, each with log-prob 0 under the sampling distribution."""
+    client = _client(world)
+    kw = dict(model=world["names"][2], prompt=PROMPT, max_tokens=8, logprobs=0)
+    greedy = _ids(client.completions.create(temperature=0, **kw,
+                                            extra_body={"return_tokens_as_token_ids": True}).choices[0])
+    for extra in ({"top_k": 1}, {"top_p": 1e-6}):
+        top = {"top_p": extra.pop("top_p")} if "top_p" in extra else {}
+        out = client.completions.create(temperature=1.5, seed=5, **kw, **top,
+                                        extra_body={"return_tokens_as_token_ids": True, **extra})
+        assert _ids(out.choices[0]) == greedy, (extra, top)
+        assert out.choices[0].logprobs.token_logprobs == [0.0] * len(greedy)
+    free = client.completions.create(temperature=1.5, seed=5, **kw, extra_body={"return_tokens_as_token_ids": True})
+    assert free.choices[0].logprobs.token_logprobs != [0.0] * len(_ids(free.choices[0]))  # unnarrowed: it samples
 
 
 def test_three_adapters_at_once_equal_one_at_a_time(world):
@@ -215,7 +245,7 @@ def test_past_the_tenant_bound_is_a_429_with_retry_after(world):
     # a request that fits the bound runs; the client's own retry (on Retry-After) waits out any request of an
     # earlier test still finishing on a loaded machine
     out = _client(world, max_retries=8).completions.create(model="tiny", prompt=[PROMPT] * MAX_PENDING, max_tokens=2)
-    assert len(out.choices) == MAX_PENDING
+    assert len(out.choices) == MAX_PENDING and out.adapter_load == [None] * MAX_PENDING  # the base: no adapter
 
 
 def test_keys_are_the_tinker_routes_keys(world):

@@ -53,6 +53,42 @@ def test_runs_and_checkpoints_are_listed_like_tinker(service):
         rest.get_training_run("nope").result()
 
 
+def test_listings_page_in_the_catalog(service, monkeypatch):
+    """A page of runs or of every run's checkpoints reads its own rows, not the store's every policy (10^6 runs
+    in a shared catalog): with 60 runs, a page of 5 reads at most 5 runs, in the order and with the total of the
+    whole list (runs most recently updated first; checkpoints newest first, ties by run then name, descending)."""
+    import hashlib
+
+    from dsv4flash.lifecycle.catalog import RevisionRecord
+
+    cat, fp = service.store.catalog, service.fingerprint()
+    for i in range(60):  # catalog rows only: a listing reads no adapter bytes
+        cat.create_policy(f"run-{i:02d}", fp)
+        cat.register(RevisionRecord(hashlib.sha256(b"%d" % i).hexdigest(), f"run-{i:02d}", None, fp.digest, "lora/1",
+                                    100 + i, 2, created=1000.0 + i // 2),  # pairs of runs tie on time
+                     tags=["weights.a", "sampler_weights.b", "latest"])
+    runs = sorted(cat.list_policies(), key=lambda name: (cat.policy(name).updated, name), reverse=True)
+    paths = [f"tinker://{run}/{kind}/{name}" for created, run, kind, name in sorted(
+        ((1000 + int(run[4:]) // 2, run, kind, name) for run in runs
+         for kind, name in (("weights", "a"), ("sampler_weights", "b"))), reverse=True)]
+    reads = {"n": 0}
+    for method in ("policy", "tags", "lookup"):
+        def counted(*args, _read=getattr(cat, method), **kwargs):
+            reads["n"] += 1
+            return _read(*args, **kwargs)
+        monkeypatch.setattr(cat, method, counted)
+    rest = service.create_rest_client()
+    page = rest.list_training_runs(limit=5, offset=7).result()
+    assert [r.training_run_id for r in page.training_runs] == runs[7:12] and page.cursor.total_count == 60
+    assert page.training_runs[0].last_checkpoint.tinker_path == f"tinker://{runs[7]}/weights/a"
+    assert reads["n"] <= 5 * 5  # per run of the page: its record, its tags, each checkpoint's revision
+    reads["n"] = 0
+    page = rest.list_user_checkpoints(limit=5, offset=9).result()
+    assert [c.tinker_path for c in page.checkpoints] == paths[9:14] and page.cursor.total_count == 120
+    assert page.checkpoints[0].size_bytes > 0 and reads["n"] == 0  # the page's rows came with it
+    assert [c.tinker_path for c in rest.list_user_checkpoints(limit=500).result().checkpoints] == paths
+
+
 def test_delete_checkpoint_frees_the_name_and_gc_frees_the_bytes(service):
     tc = _train(service)
     old = tc.save_state("old").result().path

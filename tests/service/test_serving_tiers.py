@@ -93,6 +93,54 @@ def test_cold_adapters_at_once_overlap_and_evicted_one_comes_back(tiered, reside
         assert first[name] == [ref.response(r) for r in range(2)], name
 
 
+def test_a_cold_load_never_stalls_the_adapters_already_decoding(tmp_path, resident):
+    """While one adapter's load is held up in the loader pool, another adapter's request keeps decoding: the load
+    waits on its request's thread, never on the batcher's; then the held request joins and completes."""
+    import threading
+    import time
+
+    import dsv4flash.service as core
+    from dsv4flash.service.compute.sampling import SamplingClient
+    from dsv4flash.service.types import ModelInput, SamplingParams, load_of
+
+    service = core.ServiceClient(root=tmp_path, resident=resident)
+    _publish(service.store.root, resident, n=2)
+    revs = [service.store.resolve(f"pol{i}:latest").id for i in range(2)]
+    serving = service.enable_serving(max_loras=2, max_cpu_loras=2, loader_workers=2, threads=8)
+    loading, release = threading.Event(), threading.Event()
+    prepare = serving.cache.prepare
+
+    def held(loaded):  # pol1's load, in the loader pool, until pol0 has decoded on past it
+        if loaded.id == revs[1]:
+            loading.set()
+            release.wait(120)
+        return prepare(loaded)
+
+    serving.cache.prepare = held
+    steps = []
+    try:
+        first = SamplingClient(service, None, None, "a", revision=revs[0]).sample(
+            ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=40, temperature=0.0),
+            on_tokens=lambda *_: steps.append(time.monotonic()))
+        deadline = time.monotonic() + 120
+        while len(steps) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        second = SamplingClient(service, None, None, "b", revision=revs[1]).sample(
+            ModelInput.from_ints(PROMPT), 1, SamplingParams(max_tokens=4, temperature=0.0))
+        assert loading.wait(120), "pol1's load never started"
+        during, deadline = len(steps), time.monotonic() + 120
+        while len(steps) < during + 5 and not first.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(steps) > during and (len(steps) >= during + 5 or first.done()), "pol0 stopped decoding"
+        assert not second.done()  # its load is still held
+        release.set()
+        assert len(second.result(timeout=300).sequences[0].tokens) == 4
+        assert load_of(first.result(timeout=300))["tier"] == "disk" and load_of(second.result())["tier"] == "disk"
+    finally:
+        release.set()
+        serving.close()
+
+
 def test_prewarm_then_resident_and_unknown_names(tiered):
     from tests.service.http_server import KEYS
 
@@ -154,5 +202,8 @@ def test_a_full_slot_queue_is_a_rate_limit_error_the_openai_client_retries_throu
             retried = pool.submit(client(30).completions.create, model="pol1:latest", prompt=PROMPT, max_tokens=2)
             for _ in stream:  # the stream runs to its end and frees the slot
                 pass
-            assert retried.result(timeout=300).choices[0].finish_reason in ("length", "stop")
+            answer = retried.result(timeout=300)
+            assert answer.choices[0].finish_reason in ("length", "stop")
+        load = answer.adapter_load[0]  # its adapter came from the store once the slot was free: the wait shows it
+        assert load["tier"] == "disk" and load["load_ms"] > 0 and load["wait_ms"] >= load["load_ms"]
         assert _metrics(srv)["requests_rejected_total"] >= 1

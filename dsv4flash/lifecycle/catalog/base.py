@@ -102,8 +102,15 @@ class Catalog(abc.ABC):
         """The current policy record (raises `PolicyNotFoundError`)."""
 
     @abc.abstractmethod
-    def list_policies(self, *, after: str | None = None, limit: int | None = None) -> list[str]:
-        """Policy names in name order: all, or (keyset paging) at most `limit` of those after `after`."""
+    def list_policies(self, *, after: str | None = None, limit: int | None = None, offset: int = 0,
+                      newest_first: bool = False) -> list[str]:
+        """Policy names in name order: all, or (keyset paging) at most `limit` of those after `after`; with
+        `newest_first`, the most recently updated first (ties by name, descending), `limit` of them after the first
+        `offset` (an index keeps either order's page at the cost of its own rows)."""
+
+    @abc.abstractmethod
+    def count_policies(self) -> int:
+        """Number of policies."""
 
     # ---- revisions ----
     @abc.abstractmethod
@@ -158,6 +165,16 @@ class Catalog(abc.ABC):
     @abc.abstractmethod
     def tags(self, policy: str) -> dict[str, str]:
         """Tag name -> revision id (without `head`)."""
+
+    @abc.abstractmethod
+    def list_tagged(self, prefixes: Iterable[str], *, limit: int | None = None,
+                    offset: int = 0) -> list[tuple[str, str, RevisionRecord]]:
+        """(policy, tag, revision) of every policy's tags that start with one of `prefixes`, the newest revision
+        first (ties by policy, then tag, descending): `limit` of them after the first `offset`."""
+
+    @abc.abstractmethod
+    def count_tagged(self, prefixes: Iterable[str]) -> int:
+        """Number of tags, over every policy, that start with one of `prefixes`."""
 
     @abc.abstractmethod
     def tag_history(self, policy: str, tag: str = HEAD) -> list[TagMove]:

@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 from dsv4flash.lifecycle.catalog.base import ANY_HEAD, HEAD, Catalog, PolicyRecord, RevisionRecord, StateRecord
-from dsv4flash.lifecycle.catalog.schema import DDL, SCHEMA_VERSION, TAG, dumps
+from dsv4flash.lifecycle.catalog.schema import DDL, R_REV_COLS, REV_COLS, SCHEMA_VERSION, TAG, dumps, page_clause
 from dsv4flash.lifecycle.catalog.sql_state import ServiceStateSQL
 from dsv4flash.lifecycle.errors import (
     BaseMismatchError,
@@ -32,7 +32,6 @@ from dsv4flash.lifecycle.refs import REVISION_PATTERN, split_catalog_ref
 
 __all__ = ["SQLCatalog", "SCHEMA_VERSION"]
 
-_REV_COLS = "id, policy, parent, base, format, nbytes, n_tensors, step, created, retired, meta"
 _HEX = REVISION_PATTERN
 
 
@@ -128,7 +127,7 @@ class SQLCatalog(ServiceStateSQL, Catalog):
                               None if row[7] is None else int(row[7]), float(row[8]), bool(row[9]), json.loads(row[10]))
 
     def _rev_or_none(self, cur, rev_id: str) -> RevisionRecord | None:
-        row = self._x(cur, f"SELECT {_REV_COLS} FROM revisions WHERE id = ?", (rev_id,)).fetchone()
+        row = self._x(cur, f"SELECT {REV_COLS} FROM revisions WHERE id = ?", (rev_id,)).fetchone()
         return self._rev(row) if row else None
 
     def _policy_row(self, cur, name: str, *, lock: bool):
@@ -201,13 +200,20 @@ class SQLCatalog(ServiceStateSQL, Catalog):
 
         return self._run(read, write=False)
 
-    def list_policies(self, *, after: str | None = None, limit: int | None = None) -> list[str]:
-        """Policy names in name order: all, or (keyset paging) at most `limit` of those after `after`."""
+    def list_policies(self, *, after: str | None = None, limit: int | None = None, offset: int = 0,
+                      newest_first: bool = False) -> list[str]:
+        """Policy names in name order: all, or (keyset paging) at most `limit` of those after `after`; with
+        `newest_first`, the most recently updated first (ties by name, descending), `limit` of them after the first
+        `offset` (an index keeps either order's page at the cost of its own rows)."""
         where, params = ("WHERE name > ? ", [after]) if after is not None else ("", [])
-        if limit is not None:
-            params.append(int(limit))
-        sql = f"SELECT name FROM policies {where}ORDER BY name" + (" LIMIT ?" if limit is not None else "")
+        order = "updated DESC, name DESC" if newest_first else "name"
+        sql = f"SELECT name FROM policies {where}ORDER BY {order}" + page_clause(params, limit, offset)
         return self._run(lambda cur: [r[0] for r in self._x(cur, sql, params).fetchall()], write=False, single=True)
+
+    def count_policies(self) -> int:
+        """Number of policies."""
+        return int(self._run(lambda cur: self._x(cur, "SELECT COUNT(*) FROM policies").fetchone()[0], write=False,
+                             single=True))
 
     # ---- revisions ----
     def register(self, rev: RevisionRecord, *, state: StateRecord | None = None, expect_head: Any = ANY_HEAD,
@@ -228,7 +234,7 @@ class SQLCatalog(ServiceStateSQL, Catalog):
                 raise RevisionNotFoundError(f"parent revision {rev.parent} of {rev.id[:12]} is not registered")
             existing = self._rev_or_none(cur, rev.id)
             if existing is None:
-                self._x(cur, f"INSERT INTO revisions ({_REV_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+                self._x(cur, f"INSERT INTO revisions ({REV_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
                         (rev.id, rev.policy, rev.parent, rev.base, rev.format, rev.nbytes, rev.n_tensors, rev.step,
                          rev.created or time.time(), dumps(rev.meta)))
             elif existing.retired:
@@ -252,7 +258,7 @@ class SQLCatalog(ServiceStateSQL, Catalog):
         added = 0
         last: dict[str, str] = {}
         rows: list[tuple] = []
-        sql = f"INSERT INTO revisions ({_REV_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?) ON CONFLICT (id) DO NOTHING"
+        sql = f"INSERT INTO revisions ({REV_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?) ON CONFLICT (id) DO NOTHING"
 
         def flush(cur):
             cur.executemany(self._sql(sql), rows)
@@ -287,7 +293,7 @@ class SQLCatalog(ServiceStateSQL, Catalog):
 
     def _resolve(self, cur, ref: str) -> RevisionRecord:
         if _HEX.fullmatch(ref):
-            rows = self._x(cur, f"SELECT {_REV_COLS} FROM revisions WHERE id >= ? AND id < ? ORDER BY id LIMIT 2",
+            rows = self._x(cur, f"SELECT {REV_COLS} FROM revisions WHERE id >= ? AND id < ? ORDER BY id LIMIT 2",
                            (ref, ref + "g")).fetchall()
             if len(rows) == 1:
                 return self._rev(rows[0])
@@ -310,24 +316,23 @@ class SQLCatalog(ServiceStateSQL, Catalog):
 
     def ancestors(self, rev_id: str, limit: int | None = None) -> list[RevisionRecord]:
         """Parent, grandparent, … up to the root (nearest first)."""
-        cols = ", ".join(f"r.{c.strip()}" for c in _REV_COLS.split(","))
         sql = ("WITH RECURSIVE chain (id, parent, depth) AS ("
                " SELECT id, parent, 0 FROM revisions WHERE id = ?"
                " UNION ALL SELECT r.id, r.parent, c.depth + 1 FROM revisions r JOIN chain c ON r.id = c.parent WHERE c.depth < ?)"
-               f" SELECT {cols} FROM chain c JOIN revisions r ON r.id = c.id WHERE c.depth > 0 ORDER BY c.depth")
+               f" SELECT {R_REV_COLS} FROM chain c JOIN revisions r ON r.id = c.id WHERE c.depth > 0 ORDER BY c.depth")
         self.lookup(rev_id)
         return self._run(lambda cur: [self._rev(r) for r in self._x(cur, sql, (rev_id, limit or 2**62)).fetchall()], write=False)
 
     def children(self, rev_id: str) -> list[RevisionRecord]:
         """Revisions whose parent is `rev_id`, oldest first."""
         return self._run(lambda cur: [self._rev(r) for r in self._x(
-            cur, f"SELECT {_REV_COLS} FROM revisions WHERE parent = ? ORDER BY created, id", (rev_id,)).fetchall()], write=False, single=True)
+            cur, f"SELECT {REV_COLS} FROM revisions WHERE parent = ? ORDER BY created, id", (rev_id,)).fetchall()], write=False, single=True)
 
     def revisions(self, policy: str, *, limit: int = 100, include_retired: bool = False) -> list[RevisionRecord]:
         """A policy's revisions, newest first."""
         where = "" if include_retired else " AND retired = 0"
         return self._run(lambda cur: [self._rev(r) for r in self._x(
-            cur, f"SELECT {_REV_COLS} FROM revisions WHERE policy = ?{where} ORDER BY created DESC, id LIMIT ?", (policy, limit)).fetchall()], write=False, single=True)
+            cur, f"SELECT {REV_COLS} FROM revisions WHERE policy = ?{where} ORDER BY created DESC, id LIMIT ?", (policy, limit)).fetchall()], write=False, single=True)
 
     def count(self) -> int:
         """Number of registered revisions."""

@@ -9,7 +9,7 @@ import time
 from typing import Any, Iterable, Mapping
 
 from dsv4flash.lifecycle.catalog.base import HEAD, RevisionRecord, StateRecord, TagMove
-from dsv4flash.lifecycle.catalog.schema import TAG, dumps
+from dsv4flash.lifecycle.catalog.schema import R_REV_COLS, TAG, dumps, page_clause
 from dsv4flash.lifecycle.errors import LifecycleError, ReferencedRevisionError, RevisionNotFoundError
 
 __all__ = ["ServiceStateSQL"]
@@ -50,6 +50,34 @@ class ServiceStateSQL:
     def tags(self, policy: str) -> dict[str, str]:
         """Tag name -> revision id (without `head`)."""
         return self.policy(policy).tags
+
+    @staticmethod
+    def _prefixed(prefixes: Iterable[str], params: list) -> str:
+        """The WHERE condition `tags.tag` starts with one of `prefixes` (their values appended to `params`)."""
+        prefixes = list(prefixes)
+        if not prefixes:
+            raise ValueError("list_tagged / count_tagged: give at least one tag prefix")
+        for p in prefixes:
+            params += [len(p), p]
+        return "(" + " OR ".join(["substr(t.tag, 1, ?) = ?"] * len(prefixes)) + ")"
+
+    def list_tagged(self, prefixes: Iterable[str], *, limit: int | None = None,
+                    offset: int = 0) -> list[tuple[str, str, RevisionRecord]]:
+        """(policy, tag, revision) of every policy's tags that start with one of `prefixes`, the newest revision
+        first (ties by policy, then tag, descending): `limit` of them after the first `offset`."""
+        params: list = []
+        where = self._prefixed(prefixes, params)
+        sql = (f"SELECT t.policy, t.tag, {R_REV_COLS} FROM tags t JOIN revisions r ON r.id = t.revision WHERE {where} "
+               f"ORDER BY r.created DESC, t.policy DESC, t.tag DESC" + page_clause(params, limit, offset))
+        rows = self._run(lambda cur: self._x(cur, sql, params).fetchall(), write=False, single=True)
+        return [(row[0], row[1], self._rev(row[2:])) for row in rows]
+
+    def count_tagged(self, prefixes: Iterable[str]) -> int:
+        """Number of tags, over every policy, that start with one of `prefixes`."""
+        params: list = []
+        where = self._prefixed(prefixes, params)
+        return int(self._run(lambda cur: self._x(cur, f"SELECT COUNT(*) FROM tags t WHERE {where}", params)
+                             .fetchone()[0], write=False, single=True))
 
     def tag_history(self, policy: str, tag: str = HEAD) -> list[TagMove]:
         """Every move of a tag, oldest first."""

@@ -59,7 +59,9 @@ def family(placement) -> str | None:
     return json.dumps(spec, sort_keys=True, default=str)
 
 
-@dataclass(frozen=True)
+# Entry, Job and Cohort compare and hash by identity (eq=False): their fields hold tensors, and a field-wise `==`
+# (what `job in jobs`, `jobs.remove(job)` or a set would call) asks a tensor for its truth value.
+@dataclass(frozen=True, eq=False)
 class Entry:
     """What one request decodes with: its placement and adapter tensors, or (None, None) for the bare base."""
 
@@ -96,7 +98,7 @@ def batched_extend(resident, entries: list[Entry], rows: list[int], cache, ids: 
         return model.decode(cache, ids)
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One request in the batcher: its adapter, prompt, decode state, and where its rows sit in its cohort."""
 
@@ -114,7 +116,7 @@ class Job:
     first_token_s: float | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class Cohort:
     """Jobs at one position (cache length) and of one family, decoding as one batch."""
 

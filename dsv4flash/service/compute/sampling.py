@@ -56,9 +56,12 @@ class SamplingClient:
     use_cache = True
 
     def __init__(self, service, placement, adapter: dict[str, torch.Tensor] | None, name: str,
-                 revision: str | None = None) -> None:
+                 revision: str | None = None, loaded=None) -> None:
         self.service, self.placement, self.adapter, self.name = service, placement, adapter, name
         self.revision = revision  # a stored revision served through the tiers (adapter None until a call holds it)
+        # The LoadFigure of the load this client's creation did (it reads the revision to check it): the first
+        # `sample` reports it, so the request a client was made for shows the cold load it waited for.
+        self._creation_load = loaded if loaded is not None and loaded.tier != "resident" else None
         self._exec = OrderedExecutor(f"sampler-{name}-{next(_ids)}")
         self._calls = 0
 
@@ -185,6 +188,7 @@ class SamplingClient:
             from dsv4flash.service.compute.batcher import Entry
 
             with self._held() as (placement, adapter, figure):
+                figure = self._with_creation_load(figure)
                 state = Decoding([row] * n, max_new_tokens=max_tokens, eos_id=None,
                                  pad_id=self.service.base.cfg.pad_token_id, sampling=sampling,
                                  generator=torch.Generator().manual_seed(seed), stop=stops, topk=topk,
@@ -208,6 +212,16 @@ class SamplingClient:
                            topk=topk, share_prefixes=False, prefilled=first, before_step=between_steps,
                            after_step=on_tokens)
         return self._response(ids, n, out, sequence_ids, record_for, stability, topk_prompt, prompt_lp, figure)
+
+    def _with_creation_load(self, figure):
+        """The first sample's LoadFigure with the creation's load folded in (taken once: concurrent first calls
+        report it once); later calls report their own."""
+        from dsv4flash.service.compute.serving import LoadFigure
+
+        created = self.__dict__.pop("_creation_load", None)  # one atomic take under the GIL
+        if created is None or figure is None:
+            return figure
+        return LoadFigure(created.tier, created.wait_ms + figure.wait_ms, created.load_ms + figure.load_ms)
 
     def _response(self, ids, n, out, sequence_ids, record_for, stability, topk_prompt, prompt_lp,
                   figure) -> SampleResponse:

@@ -104,7 +104,7 @@ class Job:
     topk: int | None  # None: no log-probs asked
     spell: ow.TokenText
     stops: list[tuple[int, ...]]
-    usage: object = None  # streamed answers: (prompt tokens, completion tokens) -> the usage chunk, if asked
+    usage: object = None  # streamed answers: (prompt tokens, completion tokens, adapter loads) -> the usage chunk
 
 
 def _field_error(exc: ValueError, prompt_field: str, max_tokens_field: str) -> ow.OpenAIError:
@@ -195,6 +195,14 @@ async def results(request: Request, tenant: str, rids: list[str]) -> list:
             plane.ops.forget(rid, tenant)
 
 
+def adapter_loads(responses: list) -> list[dict | None]:
+    """Per prompt, how its adapter was had (`{"tier", "wait_ms", "load_ms"}`: resident, cpu, disk or loading, and
+    the milliseconds the request waited for it; None for the bare base): the answer's `adapter_load`."""
+    from dsv4flash.service.types import load_of
+
+    return [load_of(r) for r in responses]
+
+
 def answers(job: Job, responses: list) -> list[tuple[ow.ChoiceText, str, list]]:
     """(choice text, finish reason, sampled tokens) of every choice, prompt-major (OpenAI's choice order)."""
     out = []
@@ -227,7 +235,7 @@ async def stream(request: Request, tenant: str, job: Job, chunk, first=None):
             if first is not None:
                 for index in range(len(choices)):
                     yield ow.sse(first(index))
-            left, completion_tokens = len(rids), 0
+            left, completion_tokens, loads = len(rids), 0, [None] * len(rids)
             while left:
                 event = await queue.get()
                 if event[0] == "tokens":
@@ -246,6 +254,7 @@ async def stream(request: Request, tenant: str, job: Job, chunk, first=None):
                     status, message, field, _ = answer_of(exc) or (500, f"sampling failed: {exc}", None, None)
                     yield ow.sse(ow.error_body(status, message if exc else "cancelled", field))
                     break
+                loads[i] = adapter_loads([fut.result()])[0]
                 for row, seq in enumerate(fut.result().sequences):
                     index = i * job.n + row
                     completion_tokens += len(seq.tokens)
@@ -254,7 +263,7 @@ async def stream(request: Request, tenant: str, job: Job, chunk, first=None):
                     yield ow.sse(chunk(index, delta, entries, seq.stop_reason, prefix))
             else:
                 if job.usage:
-                    yield ow.sse(job.usage(sum(len(p) for p in job.prompts), completion_tokens))
+                    yield ow.sse(job.usage(sum(len(p) for p in job.prompts), completion_tokens, loads))
             yield ow.sse("[DONE]")
         finally:  # the client went away, or the answer is complete: nothing of it keeps running
             for rid in rids:
@@ -335,12 +344,15 @@ async def completions(request: Request) -> Response:
                 **extra}
 
     if req.stream:
-        job.usage = (lambda p, c: envelope([], usage=ow.usage(p, c))) if _include_usage(req) else None
+        job.usage = ((lambda p, c, loads: envelope([], usage=ow.usage(p, c), adapter_load=loads))
+                     if _include_usage(req) else None)
         return await stream(request, tenant, job, lambda *a: envelope([choice(*a)]))
     job.usage = None
-    out = answers(job, await results(request, tenant, submit(request, tenant, job)))
+    responses = await results(request, tenant, submit(request, tenant, job))
+    out = answers(job, responses)
     body = envelope([choice(i, c.text, c.entries[:c.sent], reason, []) for i, (c, reason, _) in enumerate(out)],
-                    usage=ow.usage(sum(len(p) for p in prompts), sum(len(t) for _, _, t in out)))
+                    usage=ow.usage(sum(len(p) for p in prompts), sum(len(t) for _, _, t in out)),
+                    adapter_load=adapter_loads(responses))
     return JSONResponse(body)
 
 
@@ -380,7 +392,8 @@ async def chat_completions(request: Request) -> Response:
         return {"id": cid, "object": obj, "created": created, "model": job.name, "choices": choices, **extra}
 
     if req.stream:
-        job.usage = ((lambda p, c: envelope([], "chat.completion.chunk", usage=ow.usage(p, c)))
+        job.usage = ((lambda p, c, loads: envelope([], "chat.completion.chunk", usage=ow.usage(p, c),
+                                                   adapter_load=loads))
                      if _include_usage(req) else None)
         return await stream(request, tenant, job, lambda index, text, entries, finish, prefix: envelope(
             [{"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs(entries),
@@ -388,11 +401,12 @@ async def chat_completions(request: Request) -> Response:
             first=lambda index: envelope([{"index": index, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}], "chat.completion.chunk"))
     job.usage = None
-    out = answers(job, await results(request, tenant, submit(request, tenant, job)))
+    responses = await results(request, tenant, submit(request, tenant, job))
+    out = answers(job, responses)
     body = envelope([{"index": i, "message": {"role": "assistant", "content": c.text},
                       "logprobs": logprobs(c.entries[:c.sent]), "finish_reason": reason}
                      for i, (c, reason, _) in enumerate(out)],
-                    usage=ow.usage(len(prompt), sum(len(t) for _, _, t in out)))
+                    usage=ow.usage(len(prompt), sum(len(t) for _, _, t in out)), adapter_load=adapter_loads(responses))
     return JSONResponse(body)
 
 
