@@ -30,7 +30,8 @@ class ServiceClient:
     def __init__(self, base_model: str = "tiny", *, root: str | Path | None = None, base_dir: str | Path | None = None,
                  seed: int = 0, resident: ResidentBase | None = None, api_key: str | None = None,
                  base_url: str | None = None, user_metadata: dict | None = None,
-                 state_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto") -> None:
+                 state_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
+                 plane=None, log=None) -> None:
         from dsv4flash.lifecycle import AdapterStore
         from dsv4flash.lifecycle.default_store import local_dir_for, store_location
 
@@ -58,6 +59,12 @@ class ServiceClient:
 
         self._fingerprint = base_fingerprint(self.base.cfg)
         self.serving = None  # `enable_serving`: the tiers + continuous batcher every sampling call then goes through
+        # The compute plane (`dsv4flash serve --trainer/--sampler`): None or trainer "local" trains in this process
+        # on the resident base; "megatron" on a veRL Megatron worker group on Ray (compute/megatron/).
+        self.plane = plane
+        self.trainer_group = None
+        if plane is not None and plane.trainer == "megatron":
+            self.trainer_group = self._start_trainer_group(base_dir, log or (lambda line: None))
 
     def enable_serving(self, **options):
         """Serve sampling through the lifecycle's tiers and the continuous batcher (`compute/serving.Serving`
@@ -75,9 +82,10 @@ class ServiceClient:
     def create_lora_training_client(self, base_model: str | None = None, rank: int | None = None,
                                     seed: int | None = None, train_mlp: bool = True, train_attn: bool = True,
                                     train_unembed: bool = True, user_metadata: dict | None = None, *,
-                                    preset: str = "full_linear", run_id: str | None = None,
+                                    preset: str | None = None, run_id: str | None = None,
                                     **placement) -> TrainingClient:
-        """A new LoRA run; `preset` (and extra LoraConfig fields) choose the dsv4flash placement.
+        """A new LoRA run; `preset` (and extra LoraConfig fields) choose the dsv4flash placement (None: the
+        server's default, `full_linear`, or the trainer group's shell preset under `--trainer megatron`).
 
         `rank=None` takes the preset's rank (Tinker's signature defaults to 32; the SDK always sends one)."""
         if base_model is not None and base_model != self.base.base_model:
@@ -87,11 +95,16 @@ class ServiceClient:
                             train_unembed=train_unembed, preset=preset, **placement)
         return self._new_run(pc, user_metadata, run_id)
 
-    @staticmethod
-    def placement(*, rank: int | None = None, seed: int | None = None, train_mlp: bool = True,
-                  train_attn: bool = True, train_unembed: bool = True, preset: str = "full_linear",
+    @property
+    def default_preset(self) -> str:
+        """The placement preset of a run that names none: the trainer group's shell preset, else `full_linear`."""
+        return self.plane.placement if self.trainer_group is not None else "full_linear"
+
+    def placement(self, *, rank: int | None = None, seed: int | None = None, train_mlp: bool = True,
+                  train_attn: bool = True, train_unembed: bool = True, preset: str | None = None,
                   **placement) -> PlacementConfig:
         """The placement of a Tinker `create_lora_training_client` call (ValueError naming the field if invalid)."""
+        preset = self.default_preset if preset is None else preset
         if not (train_mlp or train_attn):
             raise ValueError("create_lora_training_client: train_mlp and train_attn are both False: nothing to adapt")
         if "train_head" in placement:
@@ -312,13 +325,38 @@ class ServiceClient:
         return tensors, placement
 
     def _new_run(self, pc: PlacementConfig, user_metadata: dict | None, run_id: str | None) -> TrainingClient:
-        """A fresh adapter of placement `pc` as a new policy of the store."""
+        """A fresh adapter of placement `pc` as a new policy of the store (on the trainer group when there is one:
+        admitted first, so a policy it cannot hold leaves nothing behind)."""
         run_id = run_id or f"run-{next(_run_counter)}-{id(self) & 0xFFFF:04x}"
+        fresh = self.base.fresh_adapter(pc)
+        if self.trainer_group is not None:
+            self.trainer_group.admit({k: tuple(v.shape) for k, v in fresh.items()}, int(pc.rank), self.fingerprint())
         self.store.create_policy(run_id, self.fingerprint(), {
             "user_metadata": dict(user_metadata or {}),
             SERVICE_META: {"base_model": self.base.base_model, "rank": pc.rank, "preset": pc.preset,
                            "train_head": pc.train_head}})
-        return TrainingClient(self, run_id, pc, self.base.fresh_adapter(pc))
+        if self.trainer_group is not None:
+            from dsv4flash.service.compute.megatron.client import MegatronTrainingClient
+
+            return MegatronTrainingClient(self, run_id, pc, self.trainer_group, fresh)
+        return TrainingClient(self, run_id, pc, fresh)
+
+    def _start_trainer_group(self, base_dir, log):
+        """Start the Megatron trainer group on this service's base (written to the state directory first when the
+        base is a seeded initialisation with no directory of its own)."""
+        from dsv4flash.service.compute.megatron.group import MegatronGroup
+
+        work = self.state_root / "service" / "trainer"
+        if base_dir is None:
+            from dsv4flash.engine.model_io import save_base
+            from dsv4flash.tasks import TaskTokenizer
+
+            base_dir = save_base(self.base.model, self.base.cfg, TaskTokenizer(self.base.cfg), work / "base",
+                                 {"kind": "served-base", "fingerprint": self._fingerprint.to_json()})
+        group = MegatronGroup(self.plane, base_dir=Path(base_dir), cfg=self.base.cfg, fingerprint=self._fingerprint,
+                              work_dir=work)
+        group.start(log=log)
+        return group
 
     def _from_state(self, path: str, with_optimizer: bool, user_metadata: dict | None = None,
                     run_id: str | None = None) -> TrainingClient:

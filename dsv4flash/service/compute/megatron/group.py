@@ -1,0 +1,319 @@
+"""The Megatron trainer group as the server drives it: one veRL worker group on Ray, many policies' slots.
+
+`MegatronGroup.start` builds veRL's config for the shell (`config.actor_config`), starts `world` workers
+(`worker.TinkerPolicyWorker`), lets veRL build the Megatron engine on each and reads the adapter map off the
+bridge's export (`mapping.AdapterMap`). Every policy call then runs under the group's lock: activate the
+policy's slot, run the call, commit what it changed. The driver keeps the last acknowledged slot of every
+policy (`_acked`), so when a worker dies mid-call the call fails with `TrainerRestarting` (retryable), the group
+is rebuilt and every policy is restored to exactly what was acknowledged; the client's retry then runs on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dsv4flash.service.compute.megatron.layout import ComputePlane
+from dsv4flash.service.compute.megatron.mapping import DIGIT_BITS, AdapterMap, cut_from_shell, digits_needed, pad_to_shell
+
+
+class TrainerRestarting(RuntimeError):
+    """A trainer worker died during the call: nothing of it was acknowledged; the group is being rebuilt with every
+    policy at its last acknowledged state, so sending the call again succeeds."""
+
+
+class AdmissionError(ValueError):
+    """A policy no trainer group of this server can hold (another base, a module outside the shell, a rank above
+    the maximum); the message names the base or the field."""
+
+
+@dataclass
+class GroupMetrics:
+    """What the group did: slot swaps and commits (bytes, seconds), calls, restarts."""
+
+    calls: dict = field(default_factory=dict)  # kind -> count
+    swaps: int = 0
+    swap_bytes: int = 0
+    swap_s: float = 0.0
+    commit_bytes: int = 0
+    restarts: int = 0
+    start_s: float = 0.0
+
+
+class MegatronGroup:
+    """One trainer group: veRL Megatron workers holding the base once and every admitted policy's slot."""
+
+    def __init__(self, plane: ComputePlane, *, base_dir: Path, cfg, fingerprint, work_dir: Path) -> None:
+        self.plane, self.base_dir, self.cfg, self.fingerprint = plane, Path(base_dir), cfg, fingerprint
+        self.work_dir = Path(work_dir)
+        self.world = plane.world()
+        self.max_rank = plane.max_rank
+        self.metrics = GroupMetrics()
+        self._lock = threading.RLock()
+        self._ready = threading.Event()
+        self._acked: dict[str, list[dict]] = {}  # policy -> per-rank slot state last acknowledged
+        self.group = None
+        self.timings: dict[str, float] = {}  # start-up phases (seconds)
+        self.map: AdapterMap | None = None
+        self._pool = None
+
+    # ---- lifecycle ----
+    def start(self, log=print) -> None:
+        """Connect to Ray, start the workers, build the engine on each, derive the adapter map."""
+        from dsv4flash.service.compute.megatron import cluster
+
+        t0 = time.perf_counter()
+        cluster.connect(self.plane.ray_address, num_cpus=max(8, self.world + 4))
+        self.cuda = cluster.cuda_available()
+        self.timings["ray_s"] = time.perf_counter() - t0
+        self._config = self._build_config()
+        self.timings["config_s"] = time.perf_counter() - t0 - self.timings["ray_s"]
+        log(f"trainer group: starting {self.world} Megatron workers ({self.plane.layout.describe()}, "
+            f"{'CUDA bf16' if self.cuda else 'CPU fp32 over gloo'}), shell {self.plane.placement} rank {self.max_rank}")
+        self._spawn()
+        self.metrics.start_s = time.perf_counter() - t0
+        phases = ", ".join(f"{k[:-2]} {v:.0f} s" for k, v in self.timings.items())
+        log(f"trainer group: ready in {self.metrics.start_s:.0f} s ({phases}; {self.map.numel} adapter elements in "
+            f"the shell)")
+        self._ready.set()
+
+    def _build_config(self):
+        from dsv4flash.service.compute.megatron.config import actor_config
+
+        return actor_config(self.base_dir, self.cfg.name, self.plane.placement, self.max_rank, self.plane.layout,
+                            self.world, self.work_dir, cuda=self.cuda, micro_batch=self.plane.micro_batch)
+
+    def _spawn(self) -> None:
+        import ray
+        from verl.single_controller.ray.base import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+        from dsv4flash.service.compute.megatron.worker import TinkerPolicyWorker
+
+        self._pool = RayResourcePool(process_on_nodes=[self.world], use_gpu=self.cuda, max_colocate_count=1,
+                                     name_prefix=f"dsv4flash_trainer_{int(time.time() * 1000)}")
+        self.group = RayWorkerGroup(resource_pool=self._pool, ray_cls_with_init=RayClassWithInitArgs(
+            cls=ray.remote(TinkerPolicyWorker), config=self._config, role="actor"))
+        t0 = time.perf_counter()
+        rank_params = self.group.init_model()
+        self.timings["init_model_s"] = time.perf_counter() - t0
+        self.dp = self.world // (self.plane.layout.tp * self.plane.layout.cp * self.plane.layout.pp)
+        t0 = time.perf_counter()
+        found = self._probe(rank_params)
+        self.timings["adapter_map_s"] = time.perf_counter() - t0
+        if self.map is not None and (found.keys, found.shapes, found.rank_params) != (
+                self.map.keys, self.map.shapes, self.map.rank_params):
+            raise RuntimeError("trainer group: the restarted workers hold a different adapter layout")
+        self.map = found
+
+    def _probe(self, rank_params) -> AdapterMap:
+        numels = [sum(int(torch.Size(s).numel()) for _, s in params) for params in rank_params]
+        offsets = [sum(numels[:r]) for r in range(self.world)]
+        bits = DIGIT_BITS[torch.bfloat16 if self.cuda else torch.float32]
+        codes = None
+        for digit in range(digits_needed(sum(numels), bits)):
+            out = self.group.probe_export(offsets, bits, digit)
+            keys, shapes = out[0][0], out[0][1]
+            part = [o[2] << (bits * digit) for o in out]
+            codes = part if codes is None else [c + p for c, p in zip(codes, part)]
+        return AdapterMap.from_codes(keys, shapes, rank_params, codes)
+
+    def _restart(self) -> None:
+        """Rebuild the workers and put every policy back at its last acknowledged state."""
+        import ray
+
+        self._ready.clear()
+        for worker in list(getattr(self.group, "workers", [])):
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        for pg in getattr(self._pool, "pgs", None) or []:
+            try:
+                ray.util.remove_placement_group(pg)
+            except Exception:  # noqa: BLE001
+                pass
+        self._spawn()
+        for policy, states in self._acked.items():
+            self.group.restore_policy([policy] * self.world, states)
+        self.metrics.restarts += 1
+        self._ready.set()
+
+    def close(self) -> None:
+        """Stop the workers."""
+        import ray
+
+        for worker in list(getattr(self.group, "workers", [])):
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+
+    # ---- admission ----
+    def admit(self, shapes: dict[str, tuple[int, ...]], rank: int, fingerprint) -> None:
+        """Refuse a policy this group cannot train (AdmissionError naming the base or the field)."""
+        if fingerprint is not None and fingerprint.digest != self.fingerprint.digest:
+            raise AdmissionError(f"base: no trainer group of this server holds the policy's base {fingerprint} (its "
+                                 f"group holds {self.fingerprint})")
+        if rank > self.max_rank:
+            raise AdmissionError(f"LoraConfig.rank: {rank} is above the trainer group's maximum rank {self.max_rank} "
+                                 f"(dsv4flash serve --trainer-max-rank)")
+        outside = sorted(set(shapes) - set(self.map.keys))
+        if outside:
+            raise AdmissionError(f"LoraConfig.preset: adapter module {outside[0].rsplit('.lora_', 1)[0]} is outside the "
+                                 f"trainer group's placement shell {self.plane.placement!r} (dsv4flash serve "
+                                 f"--trainer-placement)")
+
+    # ---- policies ----
+    def create(self, policy: str, tensors: dict[str, torch.Tensor], scale: float, *, project: bool) -> dict:
+        """A new policy with these canonical tensors (rank ≤ the shell's); `project`: take what the Megatron adapter
+        holds of them (a fresh init: fused modules share a factor) instead of refusing what it cannot hold ->
+        the canonical tensors the policy starts from."""
+        shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+        full = pad_to_shell(tensors, self.map.keys, self.map.shapes)
+        if not project:
+            self.map.check_roundtrip(full, f"policy {policy}")
+        local = self.map.to_local(full)
+        states = [{"value": v, "exp_avg": None, "exp_avg_sq": None, "grad": None, "step": 0, "scale": float(scale)}
+                  for v in local]
+        self._call("create", lambda: self.group.restore_policy([policy] * self.world, states))
+        self._acked[policy] = states
+        return cut_from_shell(self.map.to_canonical(local), shapes, f"policy {policy}")
+
+    def load(self, policy: str, tensors: dict[str, torch.Tensor], moments: tuple | None, step: int,
+             scale: float) -> None:
+        """Replace a policy's adapter (and, with `moments` = (exp_avg, exp_avg_sq) canonical dicts, its Adam
+        state and step); pending gradients are dropped."""
+        full = pad_to_shell(tensors, self.map.keys, self.map.shapes)
+        self.map.check_roundtrip(full, f"policy {policy}")
+        local = self.map.to_local(full)
+        if moments is not None:
+            m = self.map.to_local(pad_to_shell(moments[0], self.map.keys, self.map.shapes))
+            v = self.map.to_local(pad_to_shell(moments[1], self.map.keys, self.map.shapes))
+        states = [{"value": local[r], "exp_avg": None if moments is None else m[r],
+                   "exp_avg_sq": None if moments is None else v[r], "grad": None,
+                   "step": int(step) if moments is not None else self._acked[policy][r]["step"],
+                   "scale": float(scale)} for r in range(self.world)]
+        self._call("load", lambda: self.group.restore_policy([policy] * self.world, states))
+        self._acked[policy] = states
+
+    def drop(self, policy: str) -> None:
+        """Forget a policy (its run left the server)."""
+        if self._acked.pop(policy, None) is not None:
+            self._call("drop", lambda: self.group.drop_policy(policy))
+
+    def state(self, policy: str, shapes: dict[str, tuple[int, ...]]) -> dict:
+        """The policy's acknowledged canonical state: `value`, `exp_avg`, `exp_avg_sq` (None before any step),
+        `grad` (None when nothing is pending) and `step`."""
+        with self._lock:
+            states = self._acked[policy]
+        out = {"step": int(states[0]["step"])}
+        for part in ("value", "exp_avg", "exp_avg_sq", "grad"):
+            if states[0][part] is None:
+                out[part] = None
+                continue
+            out[part] = cut_from_shell(self.map.to_canonical([s[part] for s in states]), shapes,
+                                       f"policy {policy} {part}")
+        return out
+
+    # ---- compute ----
+    def forward(self, policy: str, batch) -> object:
+        """Log-probs of the policy, no gradients -> the workers' collected output."""
+        return self._call("forward", lambda: (self._activate(policy), self.group.policy_forward(batch))[1])
+
+    def backward(self, policy: str, batch) -> object:
+        """forward_backward on the policy; the gradients stay live and uncommitted until `commit_grads` (or
+        `rollback`) -> the workers' collected output."""
+        return self._call("forward_backward",
+                          lambda: (self._activate(policy), self.group.policy_forward_backward(batch))[1])
+
+    def commit_grads(self, policy: str) -> None:
+        """Acknowledge the gradients of the last `backward` (refused if any is not finite: FloatingPointError)."""
+        states = self._call("commit", lambda: self.group.commit_grads(policy))
+        self._acked[policy] = states
+        self.metrics.commit_bytes += sum(int(s["grad"].numel()) * 4 for s in states)
+
+    def rollback(self, policy: str) -> None:
+        """Drop what the last call left live (back to the acknowledged slot)."""
+        self._call("rollback", lambda: self.group.restore_policy([policy] * self.world, self._acked[policy]))
+
+    def optim_step(self, policy: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                   clip: float) -> dict:
+        """One Adam step with the client's hyperparameters -> metrics (grad_norm)."""
+        params = {"lr": float(lr), "betas": (float(betas[0]), float(betas[1])), "eps": float(eps),
+                  "weight_decay": float(weight_decay)}
+        out = self._call("optim_step", lambda: (self._activate(policy),
+                                                self.group.policy_optim_step(policy, params, float(clip)))[1])
+        self._acked[policy] = [o["state"] for o in out]
+        self.metrics.commit_bytes += sum(3 * int(o["state"]["value"].numel()) * 4 for o in out)
+        norms = [o["metrics"].get("grad_norm") for o in out if o["metrics"].get("grad_norm") is not None]
+        return {"grad_norm": float(norms[0])} if norms else {}
+
+    def memory(self) -> list[dict]:
+        """Each rank's live adapter bytes, slot bytes, slot count and device peak."""
+        return self._call("memory", lambda: self.group.memory())
+
+    def worker_pids(self) -> list[int]:
+        """The workers' process ids."""
+        return self._call("pid", lambda: self.group.pid())
+
+    # ---- internals ----
+    def _activate(self, policy: str) -> None:
+        stats = self.group.activate(policy)
+        moved = sum(s["bytes"] for s in stats)
+        if moved:
+            self.metrics.swaps += 1
+            self.metrics.swap_bytes += moved
+            self.metrics.swap_s += max(s["seconds"] for s in stats)
+
+    def _call(self, kind: str, fn):
+        """Run `fn` on the group under its lock; a dead worker turns into `TrainerRestarting` after the rebuild
+        starts, a worker's refusal into the error it names."""
+        import ray
+
+        self._ready.wait()
+        with self._lock:
+            self.metrics.calls[kind] = self.metrics.calls.get(kind, 0) + 1
+            try:
+                return fn()
+            except ray.exceptions.RayError as exc:
+                if self._lost_a_worker():
+                    threading.Thread(target=self._restart_logged, name="dsv4flash-trainer-restart",
+                                     daemon=True).start()
+                    raise TrainerRestarting(f"{kind}: a trainer worker died ({type(exc).__name__}); the group is "
+                                            f"restarting with every policy at its last acknowledged state: send the "
+                                            f"call again") from None
+                raise _worker_error(exc) from None
+
+    def _restart_logged(self) -> None:
+        import sys
+
+        with self._lock:
+            try:
+                self._restart()
+            except Exception as exc:  # noqa: BLE001 - the next call waits forever otherwise
+                print(f"dsv4flash serve: trainer group restart failed: {exc}", file=sys.stderr, flush=True)
+                raise
+
+    def _lost_a_worker(self) -> bool:
+        import ray
+
+        for worker in self.group.workers:
+            try:
+                ray.get(worker.__ray_ready__.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - dead, or unreachable: either way the group is broken
+                return True
+        return False
+
+
+def _worker_error(exc) -> Exception:
+    """The exception a worker raised, as the driver should raise it (its class when it is a plain one)."""
+    cause = getattr(exc, "cause", None)
+    if cause is not None and type(cause).__name__ == "TrainerFault":
+        return FloatingPointError(str(cause).splitlines()[-1] if "\n" in str(cause) else str(cause))
+    if isinstance(cause, (ValueError, KeyError, TypeError)):
+        return cause
+    return RuntimeError(f"trainer worker: {exc}")
