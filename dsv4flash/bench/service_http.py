@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reward-latency", type=float, default=0.05, help="seconds per reward call")
     parser.add_argument("--flood-requests", type=int, default=200, help="requests the flooding tenant sends")
     parser.add_argument("--plot", metavar="PNG", help="also write a chart of the comparisons")
+    parser.add_argument("--trainer", choices=("local", "megatron"), default="local",
+                        help="megatron: the Megatron compute plane against --trainer local instead "
+                             "(dsv4flash/bench/service_http_megatron.py)")
+    parser.add_argument("--trainer-layout", default="ep=2", help="with --trainer megatron (default ep=2)")
+    parser.add_argument("--sampler", default="dsv4flash", help="with --trainer megatron (default dsv4flash)")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -342,6 +347,11 @@ def run(args: argparse.Namespace) -> BenchReport:
     from dsv4flash.service.protocol.launch import ServerProcess
 
     torch.set_num_threads(1)
+    if args.trainer == "megatron":
+        from dsv4flash.bench.service_http_megatron import run_megatron
+
+        with Progress(transient=True) as progress:
+            return run_megatron(args, progress)
     rep = BenchReport("dsv4flash serve vs in-process service (tiny, 1 thread each side)")
     root = Path(tempfile.mkdtemp(prefix="dsv4flash-bench-http-"))
     (root / "keys").write_text(f"bench {_KEY}\nflood {_FLOOD_KEY}\n")

@@ -63,8 +63,19 @@ class ServiceClient:
         # on the resident base; "megatron" on a veRL Megatron worker group on Ray (compute/megatron/).
         self.plane = plane
         self.trainer_group = None
+        self.replicas = None  # `--sampler dsv4flash`: the sampler replicas (compute/replicas.py)
+        self._base_dir = Path(base_dir) if base_dir is not None else None
+        self._snapshots: dict[str, str] = {}  # run -> the revision of its last sampler snapshot
+        log = log or (lambda line: None)
         if plane is not None and plane.trainer == "megatron":
-            self.trainer_group = self._start_trainer_group(base_dir, log or (lambda line: None))
+            self.trainer_group = self._start_trainer_group(log)
+        if plane is not None and plane.sampler == "dsv4flash":
+            from dsv4flash.service.compute.replicas import ReplicaPool
+
+            log(f"samplers: starting {plane.replicas} dsv4flash replica(s)")
+            self.replicas = ReplicaPool(plane, base_dir=self.served_base_dir(), store=str(self.root),
+                                        fingerprint=self._fingerprint, replicas=plane.replicas,
+                                        max_adapters=plane.max_adapters)
 
     def enable_serving(self, **options):
         """Serve sampling through the lifecycle's tiers and the continuous batcher (`compute/serving.Serving`
@@ -141,6 +152,14 @@ class ServiceClient:
             else:
                 tensors, placement = self._read_revision(revision, f"revision {revision[:12]}")
                 client = SamplingClient(self, placement, tensors, revision[:12])
+        elif self.replicas is not None:  # published revisions sample on the replicas, by version-qualified name
+            from dsv4flash.service.compute.replicas import ReplicaSamplingClient, qualified_name
+
+            if model_path is None:
+                client = ReplicaSamplingClient(self, None, None, "base")
+            else:
+                rec = self.require_checkpoint(model_path)
+                client = ReplicaSamplingClient(self, None, rec.id, qualified_name(rec.policy, rec.id))
         elif model_path is None:
             client = SamplingClient(self, None, None, "base")
         elif self.serving is not None:  # the adapter comes from the tiers per call; reading it now checks it
@@ -283,8 +302,24 @@ class ServiceClient:
             raise CheckpointIntegrityError(path, exc) from exc
 
     # ---- internals ----
-    def _sampling_client(self, placement, adapter, name) -> SamplingClient:
-        return SamplingClient(self, placement, adapter, name)
+    def _sampling_client(self, placement, adapter, name, policy: str | None = None, step: int | None = None):
+        """A sampling client on a snapshot of a run's adapter; with sampler replicas the snapshot is published as
+        an adapter-only revision of the run first (the previous snapshot's revision is retired)."""
+        if self.replicas is None or policy is None:
+            return SamplingClient(self, placement, adapter, name)
+        from dsv4flash.lifecycle.errors import ReferencedRevisionError
+        from dsv4flash.service.compute.replicas import ReplicaSamplingClient, qualified_name
+
+        with self.store_lock:
+            rev = self.store.publish(policy, {k: v.detach().cpu() for k, v in adapter.items()}, step=step,
+                                     extra={"placement": placement.to_dict(), "kind": "sampler_snapshot"})
+            previous, self._snapshots[policy] = self._snapshots.get(policy), rev.id
+            if previous is not None and previous != rev.id:
+                try:
+                    self.store.catalog.retire(previous)
+                except ReferencedRevisionError:
+                    pass  # a checkpoint name points at the same bytes: they stay
+        return ReplicaSamplingClient(self, placement, rev.id, qualified_name(policy, rev.id))
 
     def _read_checkpoint(self, path: str, with_state: bool):
         """(adapter tensors, trainer state or None, placement) of a checkpoint, from one read of its revision; the
@@ -341,20 +376,43 @@ class ServiceClient:
             return MegatronTrainingClient(self, run_id, pc, self.trainer_group, fresh)
         return TrainingClient(self, run_id, pc, fresh)
 
-    def _start_trainer_group(self, base_dir, log):
-        """Start the Megatron trainer group on this service's base (written to the state directory first when the
-        base is a seeded initialisation with no directory of its own)."""
-        from dsv4flash.service.compute.megatron.group import MegatronGroup
+    def admit(self, placement: PlacementConfig) -> None:
+        """Refuse (`AdmissionError` naming the field) a placement the trainer cannot hold: with the Megatron group,
+        a module outside its shell or a rank above its maximum; the local trainer holds every placement."""
+        if self.trainer_group is not None:
+            from dsv4flash.lora import lora_parameters
 
-        work = self.state_root / "service" / "trainer"
-        if base_dir is None:
+            shapes = {k: tuple(p.shape) for k, p in lora_parameters(self.base.shell(placement)).items()}
+            self.trainer_group.admit(shapes, int(placement.rank), self.fingerprint())
+
+    def admit_checkpoint(self, path: str) -> None:
+        """Refuse a checkpoint a new run cannot start from: trained on another base (`AdmissionError` naming it), or
+        of a placement the trainer cannot hold."""
+        from dsv4flash.service.plane.admission import check_base
+
+        rec = self.require_checkpoint(path)
+        check_base(rec.base, self.fingerprint(), f"checkpoint {path}")
+        if self.trainer_group is not None:
+            self.admit(self._read_checkpoint(path, False)[2])
+
+    def served_base_dir(self) -> Path:
+        """The served base as a base directory the compute plane's workers load (the one the server was given; a
+        seeded initialisation is written to `<state>/service/base` first)."""
+        if self._base_dir is None:
             from dsv4flash.engine.model_io import save_base
             from dsv4flash.tasks import TaskTokenizer
 
-            base_dir = save_base(self.base.model, self.base.cfg, TaskTokenizer(self.base.cfg), work / "base",
-                                 {"kind": "served-base", "fingerprint": self._fingerprint.to_json()})
-        group = MegatronGroup(self.plane, base_dir=Path(base_dir), cfg=self.base.cfg, fingerprint=self._fingerprint,
-                              work_dir=work)
+            self._base_dir = save_base(self.base.model, self.base.cfg, TaskTokenizer(self.base.cfg),
+                                       self.state_root / "service" / "base",
+                                       {"kind": "served-base", "fingerprint": self._fingerprint.to_json()})
+        return self._base_dir
+
+    def _start_trainer_group(self, log):
+        """Start the Megatron trainer group on this service's base."""
+        from dsv4flash.service.compute.megatron.group import MegatronGroup
+
+        group = MegatronGroup(self.plane, base_dir=self.served_base_dir(), cfg=self.base.cfg,
+                              fingerprint=self._fingerprint, work_dir=self.state_root / "service" / "trainer")
         group.start(log=log)
         return group
 

@@ -78,6 +78,8 @@ def call_custom_loss(loss_fn, data: list[Datum], logps: list[torch.Tensor]):
 class TrainingClient:
     """One LoRA training run on the resident base; every call returns an `APIFuture`, run in submission order."""
 
+    resource = "base"  # what its compute occupies: the server's scheduler for it grants the turns
+
     def __init__(self, service, run_id: str, placement, adapter: dict[str, torch.nn.Parameter]) -> None:
         self.service, self.run_id, self.placement = service, run_id, placement
         self.adapter = adapter
@@ -179,6 +181,9 @@ class TrainingClient:
         self._exec.gate = lambda fn: (contextlib.nullcontext() if fn in off_base
                                       else scheduler.turn(policy, "update", tenant))
 
+    def release(self) -> None:
+        """The run leaves memory (its session finished); its checkpoints stay in the store."""
+
     def run_ordered(self, fn, *args) -> APIFuture:
         """`fn(self, *args)` on this client's worker, in submission order with its other calls (extensions)."""
         return self._exec.submit(fn, self, *args)
@@ -234,7 +239,8 @@ class TrainingClient:
     # ---- work (on this client's worker thread) ----
     def _snapshot_sampler(self):
         snapshot, _ = self._trainer_state(with_optimizer=False)
-        return self.service._sampling_client(self.placement, snapshot, f"{self.run_id}/live-{self.step}")
+        return self.service._sampling_client(self.placement, snapshot, f"{self.run_id}/live-{self.step}",
+                                             policy=self.run_id, step=self.step)
 
     def _forward_backward(self, data, loss_fn, loss_fn_config, backward: bool, owner: str) -> ForwardBackwardOutput:
         provenance = self.check_request(data, loss_fn, loss_fn_config, owner)

@@ -24,6 +24,8 @@ from dsv4flash.service.types import check_adam_params
 class MegatronTrainingClient(TrainingClient):
     """One LoRA run whose adapter, moments and step live in a slot of the trainer group."""
 
+    resource = "trainer"
+
     def __init__(self, service, run_id: str, placement, group, fresh: dict[str, torch.Tensor]) -> None:
         super().__init__(service, run_id, placement, None)
         self.group = group
@@ -33,6 +35,10 @@ class MegatronTrainingClient(TrainingClient):
         self.hyper: dict | None = None  # lr, betas, eps, weight_decay of the last step (a checkpoint's param group)
         group.admit(self.shapes, int(placement.rank), service.fingerprint())
         group.create(run_id, {k: v.detach() for k, v in fresh.items()}, self.scale, project=True)
+
+    def release(self) -> None:
+        """Free the run's slot on the trainer group once its queued calls are done."""
+        self._exec.submit(self.group.drop, self.run_id)
 
     @property
     def adapter(self) -> dict[str, torch.Tensor]:

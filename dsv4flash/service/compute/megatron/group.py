@@ -18,17 +18,13 @@ from pathlib import Path
 import torch
 
 from dsv4flash.service.compute.megatron.layout import ComputePlane
+from dsv4flash.service.plane.admission import AdmissionError, check_base
 from dsv4flash.service.compute.megatron.mapping import DIGIT_BITS, AdapterMap, cut_from_shell, digits_needed, pad_to_shell
 
 
 class TrainerRestarting(RuntimeError):
     """A trainer worker died during the call: nothing of it was acknowledged; the group is being rebuilt with every
     policy at its last acknowledged state, so sending the call again succeeds."""
-
-
-class AdmissionError(ValueError):
-    """A policy no trainer group of this server can hold (another base, a module outside the shell, a rank above
-    the maximum); the message names the base or the field."""
 
 
 @dataclass
@@ -55,6 +51,7 @@ class MegatronGroup:
         self.metrics = GroupMetrics()
         self._lock = threading.RLock()
         self._ready = threading.Event()
+        self._broken: str | None = None  # why the group is down after failed restarts
         self._acked: dict[str, list[dict]] = {}  # policy -> per-rank slot state last acknowledged
         self.group = None
         self.timings: dict[str, float] = {}  # start-up phases (seconds)
@@ -125,7 +122,6 @@ class MegatronGroup:
         """Rebuild the workers and put every policy back at its last acknowledged state."""
         import ray
 
-        self._ready.clear()
         for worker in list(getattr(self.group, "workers", [])):
             try:
                 ray.kill(worker, no_restart=True)
@@ -140,6 +136,7 @@ class MegatronGroup:
         for policy, states in self._acked.items():
             self.group.restore_policy([policy] * self.world, states)
         self.metrics.restarts += 1
+        self._broken = None
         self._ready.set()
 
     def close(self) -> None:
@@ -155,9 +152,8 @@ class MegatronGroup:
     # ---- admission ----
     def admit(self, shapes: dict[str, tuple[int, ...]], rank: int, fingerprint) -> None:
         """Refuse a policy this group cannot train (AdmissionError naming the base or the field)."""
-        if fingerprint is not None and fingerprint.digest != self.fingerprint.digest:
-            raise AdmissionError(f"base: no trainer group of this server holds the policy's base {fingerprint} (its "
-                                 f"group holds {self.fingerprint})")
+        if fingerprint is not None:
+            check_base(fingerprint.digest, self.fingerprint, "the policy")
         if rank > self.max_rank:
             raise AdmissionError(f"LoraConfig.rank: {rank} is above the trainer group's maximum rank {self.max_rank} "
                                  f"(dsv4flash serve --trainer-max-rank)")
@@ -256,6 +252,32 @@ class MegatronGroup:
         """Each rank's live adapter bytes, slot bytes, slot count and device peak."""
         return self._call("memory", lambda: self.group.memory())
 
+    def prometheus(self) -> str:
+        """The group's counters and memory gauges in Prometheus text format."""
+        memory = self.memory()
+        m = self.metrics
+        rows = [("swaps_total", "counter", "Slot swaps onto the trainer workers (a call for another policy).", m.swaps),
+                ("swap_bytes_total", "counter", "Bytes copied from slots onto the live tensors, all ranks.",
+                 m.swap_bytes),
+                ("swap_seconds_total", "counter", "Seconds of slot swaps (slowest rank per swap).", m.swap_s),
+                ("commit_bytes_total", "counter", "Bytes copied from the live tensors back into slots, all ranks.",
+                 m.commit_bytes),
+                ("restarts_total", "counter", "Times the group was rebuilt after losing a worker.", m.restarts),
+                ("policies", "gauge", "Policies with a slot on the group.", len(self._acked)),
+                ("live_bytes", "gauge", "Bytes of the live adapter training tensors on the largest rank (one policy's).",
+                 max(r["live_bytes"] for r in memory)),
+                ("slot_bytes", "gauge", "Host bytes of every slot, all ranks.", sum(r["slot_bytes"] for r in memory)),
+                ("device_peak_bytes", "gauge", "Peak device memory of the largest rank (0 on the CPU).",
+                 max(r["device_peak_bytes"] for r in memory))]
+        lines = []
+        for name, kind, text, value in rows:
+            lines += [f"# HELP dsv4flash_trainer_{name} {text}", f"# TYPE dsv4flash_trainer_{name} {kind}",
+                      f"dsv4flash_trainer_{name} {value:g}" if isinstance(value, float) else
+                      f"dsv4flash_trainer_{name} {value}"]
+        lines += ["# HELP dsv4flash_trainer_calls_total Group calls by kind.", "# TYPE dsv4flash_trainer_calls_total counter"]
+        lines += [f'dsv4flash_trainer_calls_total{{kind="{k}"}} {v}' for k, v in sorted(m.calls.items())]
+        return "\n".join(lines) + "\n"
+
     def worker_pids(self) -> list[int]:
         """The workers' process ids."""
         return self._call("pid", lambda: self.group.pid())
@@ -275,38 +297,68 @@ class MegatronGroup:
         import ray
 
         self._ready.wait()
+        if self._broken is not None:
+            raise TrainerRestarting(f"{kind}: the trainer group is down and could not be rebuilt ({self._broken})")
         with self._lock:
             self.metrics.calls[kind] = self.metrics.calls.get(kind, 0) + 1
+            done = threading.Event()
+            threading.Thread(target=self._watch, args=(done,), name="dsv4flash-trainer-watch", daemon=True).start()
             try:
                 return fn()
             except ray.exceptions.RayError as exc:
-                if self._lost_a_worker():
+                if self._dead_workers():
+                    self._ready.clear()  # later calls wait for the rebuilt group
                     threading.Thread(target=self._restart_logged, name="dsv4flash-trainer-restart",
                                      daemon=True).start()
                     raise TrainerRestarting(f"{kind}: a trainer worker died ({type(exc).__name__}); the group is "
                                             f"restarting with every policy at its last acknowledged state: send the "
                                             f"call again") from None
                 raise _worker_error(exc) from None
+            finally:
+                done.set()
 
-    def _restart_logged(self) -> None:
+    def _watch(self, done: threading.Event) -> None:
+        """While a call runs: once a worker is dead, end the others too, so ranks blocked in a collective with the
+        dead one fail the call instead of waiting for it forever."""
+        import ray
+
+        while not done.wait(1.0):
+            if self._dead_workers():
+                for worker in self.group.workers:
+                    try:
+                        ray.kill(worker, no_restart=True)
+                    except Exception:  # noqa: BLE001 - already gone
+                        pass
+                return
+
+    def _restart_logged(self, attempts: int = 3) -> None:
+        """`_restart`, tried `attempts` times; after that the group is down and every call says why."""
         import sys
 
         with self._lock:
-            try:
-                self._restart()
-            except Exception as exc:  # noqa: BLE001 - the next call waits forever otherwise
-                print(f"dsv4flash serve: trainer group restart failed: {exc}", file=sys.stderr, flush=True)
-                raise
+            for attempt in range(1, attempts + 1):
+                try:
+                    self._restart()
+                    print(f"dsv4flash serve: trainer group restarted ({len(self._acked)} policies restored)",
+                          file=sys.stderr, flush=True)
+                    return
+                except Exception as exc:  # noqa: BLE001 - the next call would wait forever otherwise
+                    print(f"dsv4flash serve: trainer group restart {attempt}/{attempts} failed: {exc}",
+                          file=sys.stderr, flush=True)
+                    self._broken = f"{type(exc).__name__}: {exc}"
+                    time.sleep(5.0)
+            self._ready.set()
 
-    def _lost_a_worker(self) -> bool:
-        import ray
+    def _dead_workers(self) -> list[int]:
+        """Ranks whose actor Ray's control store reports dead (asked there: a busy actor cannot answer a ping)."""
+        from ray._private import state
 
-        for worker in self.group.workers:
-            try:
-                ray.get(worker.__ray_ready__.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - dead, or unreachable: either way the group is broken
-                return True
-        return False
+        dead = []
+        for rank, worker in enumerate(self.group.workers):
+            info = state.actors(actor_id=worker._actor_id.hex()) or {}
+            if info.get("State") == "DEAD":
+                dead.append(rank)
+        return dead
 
 
 def _worker_error(exc) -> Exception:

@@ -61,7 +61,9 @@ class TrainerLayout:
         if dense is not None and world % dense:
             raise ValueError(f"--workers {world}: not a multiple of tp·cp·pp = {dense}")
         if world % experts:
-            raise ValueError(f"--trainer-layout: {world} ranks are not a multiple of ep·tp·pp = {experts}")
+            raise ValueError(f"--workers {world}: not a multiple of the layout's ep·tp·pp = {experts}"
+                             if dense is not None else
+                             f"--trainer-layout: {world} ranks are not a multiple of ep·tp·pp = {experts}")
         return world
 
     def describe(self) -> str:
@@ -83,6 +85,8 @@ class ComputePlane:
     placement: str = "decoder_half"
     max_rank: int = 16
     micro_batch: int = 1  # rows per micro-batch: the CSA2 model takes packed (THD) input one sequence at a time
+    replicas: int = 1  # sampler replicas (--sampler dsv4flash|vllm)
+    max_adapters: int = 8  # adapters a replica keeps loaded (LRU; an evicted one is reloaded from the store)
 
     def __post_init__(self) -> None:
         if self.trainer not in TRAINERS:
@@ -92,6 +96,9 @@ class ComputePlane:
         check_ray_address(self.ray_address)
         if self.max_rank < 1:
             raise ValueError(f"--trainer-max-rank: expected a positive integer, got {self.max_rank}")
+        for flag, value in (("--sampler-replicas", self.replicas), ("--sampler-max-adapters", self.max_adapters)):
+            if value < 1:
+                raise ValueError(f"{flag}: expected a positive integer, got {value}")
         if self.micro_batch < 1:
             raise ValueError(f"--trainer-micro-batch: expected a positive integer, got {self.micro_batch}")
         self.world()  # the layout and --workers agree
