@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from dsv4flash.bench.report import BenchReport
-from dsv4flash.bench.service_http import MINT_GRPO, _KEY, _concurrent, _grpo_client, _pct, _sl_data, _timed
+from dsv4flash.bench.sdk_workloads import KEY, MINT_GRPO, concurrent, grpo_client, pct, sl_data, timed
 
 START_S = 1800  # a loaded machine starts the Megatron workers slowly
 
@@ -25,7 +25,7 @@ def _metrics(url: str) -> dict[str, float]:
     import httpx
 
     out = {}
-    for line in httpx.get(f"{url}/metrics", headers={"X-API-Key": _KEY}, timeout=120).text.splitlines():
+    for line in httpx.get(f"{url}/metrics", headers={"X-API-Key": KEY}, timeout=120).text.splitlines():
         if line.startswith("dsv4flash_trainer_") and "{" not in line:
             name, value = line.split()
             out[name.removeprefix("dsv4flash_trainer_")] = float(value)
@@ -36,9 +36,9 @@ def _step_fn(url: str, seed: int):
     import tinker
     from tinker import types
 
-    tc = tinker.ServiceClient(base_url=url, api_key=_KEY).create_lora_training_client(
+    tc = tinker.ServiceClient(base_url=url, api_key=KEY).create_lora_training_client(
         base_model="tiny", rank=4, seed=seed).result()
-    data = _sl_data(types)
+    data = sl_data(types)
 
     def step():
         fb, opt = tc.forward_backward(data, "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=1e-3))
@@ -56,7 +56,7 @@ def run_megatron(args, progress) -> BenchReport:
     rep = BenchReport(f"dsv4flash serve --trainer megatron ({args.trainer_layout}, --sampler {args.sampler}) vs "
                       f"--trainer local (tiny, CPU)")
     root = Path(tempfile.mkdtemp(prefix="dsv4flash-bench-megatron-"))
-    (root / "keys").write_text(f"bench {_KEY}\n")
+    (root / "keys").write_text(f"bench {KEY}\n")
     plane = ("--trainer", "megatron", "--trainer-layout", args.trainer_layout, "--sampler", args.sampler)
     t0 = time.perf_counter()
     with ServerProcess(root / "store-local", root / "keys", poll_s=30.0) as local, \
@@ -65,13 +65,13 @@ def run_megatron(args, progress) -> BenchReport:
         rep.add("megatron_server_start", time.perf_counter() - t0, "s", note="Ray, veRL's Megatron engine on every "
                 "rank, the adapter map, the sampler replica (the local server started beside it)")
         task = progress.add_task("per call: local, megatron", total=2)
-        local_step = _timed(_step_fn(local.url, 1), args.calls, progress, "fwd+bwd+optim, --trainer local")
+        local_step = timed(_step_fn(local.url, 1), args.calls, progress, "fwd+bwd+optim, --trainer local")
         progress.advance(task)
-        meg_step = _timed(_step_fn(megatron.url, 1), args.calls, progress, "fwd+bwd+optim, --trainer megatron")
+        meg_step = timed(_step_fn(megatron.url, 1), args.calls, progress, "fwd+bwd+optim, --trainer megatron")
         progress.advance(task)
         for q in (50, 99):
-            rep.add(f"step_local_p{q}", _pct(local_step, q), "ms", note="tinker SDK -> --trainer local")
-            rep.add(f"step_megatron_p{q}", _pct(meg_step, q), "ms", baseline=f"step_local_p{q}",
+            rep.add(f"step_local_p{q}", pct(local_step, q), "ms", note="tinker SDK -> --trainer local")
+            rep.add(f"step_megatron_p{q}", pct(meg_step, q), "ms", baseline=f"step_local_p{q}",
                     limit=f"step_local_p{q}", note=f"same work -> --trainer megatron ({args.trainer_layout}); the "
                     f"limit is the local figure (a plane that added nothing)")
         rep.add("megatron_overhead_p50", rep.value("step_megatron_p50") - rep.value("step_local_p50"), "ms",
@@ -80,10 +80,10 @@ def run_megatron(args, progress) -> BenchReport:
         # slot swaps: two policies alternating (every call swaps) against one policy (no swap)
         a, b = _step_fn(megatron.url, 2), _step_fn(megatron.url, 3)
         before = _metrics(megatron.url)
-        alternating = _timed(lambda: (a(), b()), args.calls // 2, progress, "two policies alternating")
+        alternating = timed(lambda: (a(), b()), args.calls // 2, progress, "two policies alternating")
         after = _metrics(megatron.url)
         swaps = after["swaps_total"] - before["swaps_total"]
-        rep.add("step_two_policies_alternating_p50", _pct(alternating, 50) / 2, "ms", baseline="step_megatron_p50",
+        rep.add("step_two_policies_alternating_p50", pct(alternating, 50) / 2, "ms", baseline="step_megatron_p50",
                 note="per call, each call swapping the other policy's slot in")
         rep.add("swap_bytes_per_swap", (after["swap_bytes_total"] - before["swap_bytes_total"]) / max(swaps, 1) / 1024,
                 "KiB", note=f"adapter values, Adam moments, pending gradients, all ranks ({swaps:.0f} swaps)")
@@ -97,10 +97,10 @@ def run_megatron(args, progress) -> BenchReport:
         phases: dict = {}
         t1 = time.perf_counter()
         for i in range(3):
-            _grpo_client(megatron.url, f"seq{i}", i, args.grpo_steps, args.reward_latency, phases)
+            grpo_client(megatron.url, f"seq{i}", i, args.grpo_steps, args.reward_latency, phases)
         seq = time.perf_counter() - t1
         progress.advance(task)
-        con = _concurrent(megatron.url, args.grpo_steps, args.reward_latency)
+        con = concurrent(megatron.url, args.grpo_steps, args.reward_latency)
         progress.advance(task)
         scoring = sum(phases.values())
         bound = max(seq - scoring, seq / 3)

@@ -69,10 +69,10 @@ class ServiceClient:
         log = log or (lambda line: None)
         if plane is not None and plane.trainer == "megatron":
             self.trainer_group = self._start_trainer_group(log)
-        if plane is not None and plane.sampler == "dsv4flash":
+        if plane is not None and plane.sampler in ("dsv4flash", "vllm"):
             from dsv4flash.service.compute.replicas import ReplicaPool
 
-            log(f"samplers: starting {plane.replicas} dsv4flash replica(s)")
+            log(f"samplers: starting {plane.replicas} {plane.sampler} replica(s)")
             self.replicas = ReplicaPool(plane, base_dir=self.served_base_dir(), store=str(self.root),
                                         fingerprint=self._fingerprint, replicas=plane.replicas,
                                         max_adapters=plane.max_adapters)

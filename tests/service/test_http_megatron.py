@@ -11,6 +11,7 @@ SIGKILLed and restarted on the same store).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import time
@@ -47,6 +48,9 @@ def megatron(tmp_path_factory):
     state = {"dir": root, "store": root / "store", "keys": _keys(root / "keys")}
     state["server"] = ServerProcess(state["store"], state["keys"], args=ARGS, start_timeout_s=START_S)
     yield state
+    for client in _CLIENTS:  # an open SDK client's heartbeat thread outlives the test and logs every 10 s
+        with contextlib.suppress(Exception):
+            client.close("success").result(timeout=30)
     _stop(state["server"])
 
 
@@ -71,10 +75,15 @@ def _stop(server, kill: bool = False) -> None:
             pass
 
 
+_CLIENTS: list = []
+
+
 def _sdk(server, tenant="ann"):
     import tinker
 
-    return tinker.ServiceClient(base_url=server.url, api_key=KEYS[tenant])
+    client = tinker.ServiceClient(base_url=server.url, api_key=KEYS[tenant])
+    _CLIENTS.append(client)
+    return client
 
 
 def _sl_datum(mod, tokens, prompt_len):
@@ -295,6 +304,86 @@ def test_samplers_load_revisions_by_version_qualified_name_and_reload_evicted_on
     run = paths[0].split("/")[2]  # tinker://<run>/sampler_weights/v1
     named = {rev: sum(v for k, v in loads.items() if f'adapter="{run}@{rev}"' in k) for rev in revisions}
     assert named[revisions[0]] == 2 and named[revisions[1]] == 1 and named[revisions[2]] == 1, loads
+
+
+def clipped_pg(logprobs, weights, advantages):
+    """A server-side custom loss (traced by the SDK, rebuilt on the server): clamp, exp and a .shape."""
+    ratio = torch.exp(logprobs - logprobs.detach())
+    loss = -(torch.clamp(ratio, 0.8, 1.2) * advantages * weights).sum() / logprobs.shape[0]
+    return loss, {"custom/pg:sum": loss.detach()}
+
+
+def test_a_server_side_custom_loss_trains_like_the_local_trainer(megatron, tmp_path):
+    sdk = _sdk(megatron["server"], "ben")
+    handle = sdk.create_custom_loss(clipped_pg, input_ranks={"logprobs": 1, "weights": 1, "advantages": 1}).result()
+    tc = sdk.create_lora_training_client(base_model="tiny", **PLACEMENT).result()
+    local = _local(tmp_path)
+
+    def data(mod):
+        out = []
+        for t, _ in EXAMPLES:
+            n = len(t) - 1
+            out.append(mod.Datum(model_input=mod.ModelInput.from_ints(t[:-1]), loss_fn_inputs={
+                "target_tokens": np.array(t[1:], dtype=np.int64),
+                "weights": np.linspace(0.5, 1.0, n).astype(np.float32),
+                "advantages": np.linspace(-1.0, 1.0, n).astype(np.float32)}))
+        return out
+
+    def local_loss(batch, logprobs):  # the per-datum losses summed, as the server runs the uploaded graph
+        total = None
+        for d, lp in zip(batch, logprobs):
+            loss, _ = clipped_pg(lp, d.loss_fn_inputs["weights"].to_torch(), d.loss_fn_inputs["advantages"].to_torch())
+            total = loss if total is None else total + loss
+        return total, {}
+
+    for step in range(3):  # the Megatron trainer: a forward, then the loss's gradient as a linear surrogate
+        out = tc.forward_backward_custom(data(types), handle).result()
+        ref = local.forward_backward_custom(data(core.types), local_loss).result()
+        scale = sum(float(np.abs(d.loss_fn_inputs["advantages"].to_numpy()).sum()) for d in data(types))
+        np.testing.assert_allclose(out.metrics["loss:sum"], ref.metrics["loss:sum"], rtol=0, atol=LOSS_RTOL * scale)
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+        local.optim_step(core.types.AdamParams(learning_rate=2e-2)).result()
+    got = tc.forward(data(types), "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    want = local.forward(data(core.types), "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("loss_fn", ["importance_sampling", "stable_reinforce"])
+def test_cookbook_rl_train_main_runs_unmodified_on_the_megatron_plane(megatron, tmp_path, monkeypatch, loss_fn):
+    # tinker-cookbook's rl.train: rollouts on the sampler replica, updates on the trainer group; the cookbook's own
+    # check compares the replica's log-probs of the sampled tokens with the trainer's forward of them
+    import asyncio
+
+    from tinker_cookbook.rl import train
+    from tinker_cookbook.utils import cost_estimation
+
+    from dsv4flash.integrations.cookbook import TaskRLDatasetBuilder
+
+    server = megatron["server"]
+    monkeypatch.setenv("TINKER_API_KEY", KEYS["ben"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(cost_estimation, "_pricing_fetched", True)
+    from pathlib import Path
+
+    import tinker
+
+    rest = tinker.RestClient(base_url=server.url, api_key=KEYS["ben"])
+    base = next(m.model_name for m in rest.get_server_capabilities().result().supported_models
+                if Path(m.model_name).is_dir())  # the served Hugging Face directory: the cookbook's tokenizer
+    log_path = tmp_path / loss_fn
+    config = train.Config(
+        log_path=str(log_path), model_name=base, recipe_name=f"dsv4flash_megatron_{loss_fn}", base_url=server.url,
+        dataset_builder=TaskRLDatasetBuilder(model_name_for_tokenizer=base, task="arithmetic", groups_per_batch=2,
+                                             group_size=4, n_batches=2),
+        learning_rate=1e-2, max_tokens=3, lora_rank=4, eval_every=0, save_every=0, loss_fn=loss_fn)
+    asyncio.run(train.main(config))
+    import json
+
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if any(k.startswith("env/all/") for k in r)]
+    assert len(rows) == 2, rows
+    assert all(r["tokens/trained"] > r["tokens/sampled"] > 0 for r in rows)
+    assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-4 for r in rows), [r["optim/kl_sample_train_v1"] for r in rows]
 
 
 def _worker_pids(server) -> list[int]:

@@ -1,4 +1,4 @@
-"""Sampler replicas of `dsv4flash serve --sampler dsv4flash`: the reference engine on Ray actors, fed revisions.
+"""Sampler replicas of `dsv4flash serve --sampler dsv4flash|vllm`: engines on Ray actors, fed revisions.
 
 Each replica holds the base once (`ResidentBase`, fp32 on the CPU, as the project's veRL rollout replicas do) and
 an LRU of adapters named `<policy>@<revision>`: every name is one immutable revision, so no cache can serve one
@@ -8,7 +8,9 @@ adapter costs a reload, never a 404. The server publishes what it samples as ada
 (`save_weights_for_sampler`, and the snapshots of `save_weights_and_get_sampling_client`) and keeps the rest of
 sampling its own: request checks, seeds, stop sequences, recorded sequences, responses
 (`ReplicaSamplingClient` is `SamplingClient` with its model calls on a replica, the same `sample_rows` /
-`prompt_logprobs` code, so a replica samples the tokens the server's own base samples).
+`prompt_logprobs` code, so a replica samples the tokens the server's own base samples). `--sampler vllm` runs
+vLLM engines on GPUs instead (`VLLMReplica`, on the release-layout checkpoint `--sampler-model`), fed by the
+catalog resolver the vLLM plugin registers; it is GPU-only and its test is `gpu`-marked.
 """
 
 from __future__ import annotations
@@ -89,6 +91,86 @@ class SamplerReplica:
             return {"held": list(self._adapters), "loads": dict(self.loads), "load_s": self.load_s}
 
 
+class VLLMReplica:
+    """One vLLM sampler replica (a Ray actor on a GPU, `--sampler vllm`): a vLLM engine on the release-layout
+    checkpoint `model`, with the project's LoRA paths; revisions arrive through the catalog resolver
+    (`dsv4flash.integrations.vllm.lora_resolver`: read from the store, hash-verified, exported once per revision in
+    vLLM's layout), named `<policy>@<revision>` with the LoRA id derived from the revision id."""
+
+    def __init__(self, model: str, store: str, max_adapters: int = 8, max_rank: int = 16) -> None:
+        from vllm import LLM
+
+        from dsv4flash.integrations.vllm.lora_resolver import CatalogLoRAResolver
+
+        self.model = model
+        self.resolver = CatalogLoRAResolver(store)
+        self.llm = LLM(model=model, enable_lora=True, max_loras=max_adapters, max_lora_rank=max_rank,
+                       max_cpu_loras=4 * max_adapters, enforce_eager=True, skip_tokenizer_init=True,
+                       trust_remote_code=False, limit_mm_per_prompt={"image": 0})
+        self.loads: dict[str, int] = collections.Counter()
+
+    def _lora(self, name: str | None):
+        if name is None:
+            return None
+        from dsv4flash.lifecycle.refs import parse_model_name
+
+        request = self.resolver._resolve(self.model, name, parse_model_name(name))
+        if request is None:
+            raise ValueError(f"adapter {name}: not a revision of the served base in the store")
+        self.loads[name] += 1
+        return request
+
+    def sample(self, name, revision, ids, n, params, seed, stops, topk, max_tokens):
+        """`n` samples as the engine's `Rollout` (tokens, sampled log-probs, stopped)."""
+        import torch
+        from vllm import SamplingParams
+
+        from dsv4flash.engine.sampling import Rollout
+
+        sp = SamplingParams(n=n, max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k,
+                            top_p=params.top_p, seed=seed, logprobs=max(1, topk), detokenize=False,
+                            stop_token_ids=[s[0] for s in stops if len(s) == 1])
+        out = self.llm.generate([{"prompt_token_ids": list(ids)}], sp, lora_request=self._lora(name),
+                                use_tqdm=False)[0].outputs
+        width = max((len(o.token_ids) for o in out), default=0)
+        tokens = torch.zeros((n, width), dtype=torch.int64)
+        logprobs = torch.zeros((n, width), dtype=torch.float32)
+        mask = torch.zeros((n, width), dtype=torch.bool)
+        top = [] if topk else None
+        for r, o in enumerate(out):
+            k = len(o.token_ids)
+            tokens[r, :k] = torch.tensor(o.token_ids)
+            logprobs[r, :k] = torch.tensor([lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)])
+            mask[r, :k] = True
+            if topk:
+                top.append([sorted(((int(i), float(v.logprob)) for i, v in lp.items()), key=lambda x: -x[1])[:topk]
+                            for lp in o.logprobs])
+        stopped = torch.tensor([o.finish_reason == "stop" for o in out])
+        return Rollout(tokens, logprobs, mask, stopped, top)
+
+    def prompt_logprobs(self, name, revision, ids, topk):
+        """vLLM's prompt log-probs in `prompt_logprobs`' form (None first)."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=max(1, topk), detokenize=False)
+        rows = self.llm.generate([{"prompt_token_ids": list(ids)}], sp, lora_request=self._lora(name),
+                                 use_tqdm=False)[0].prompt_logprobs
+        lp = [None] + [float(row[t].logprob) for row, t in zip(rows[1:], ids[1:])]
+        if not topk:
+            return lp
+        tops = [None] + [sorted(((int(i), float(v.logprob)) for i, v in row.items()), key=lambda x: -x[1])[:topk]
+                         for row in rows[1:]]
+        return lp, tops
+
+    def evict(self, name: str) -> bool:
+        """vLLM evicts by its own LRU (max_loras on the GPU, max_cpu_loras on the host)."""
+        return False
+
+    def stats(self) -> dict:
+        """Requests per adapter name (vLLM keeps its own cache)."""
+        return {"held": [], "loads": dict(self.loads), "load_s": 0.0}
+
+
 class ReplicaPool:
     """The server's sampler replicas on Ray; a name always goes to the same replica (its adapter stays warm)."""
 
@@ -99,9 +181,14 @@ class ReplicaPool:
         from dsv4flash.service.compute.megatron import cluster
 
         cluster.connect(plane.ray_address)
-        actor = ray.remote(num_cpus=1)(SamplerReplica)
-        self.replicas = [actor.remote(str(base_dir), str(store), fingerprint.to_json(), max_adapters)
-                         for _ in range(int(replicas))]
+        if plane.sampler == "vllm":
+            actor = ray.remote(num_gpus=1)(VLLMReplica)
+            self.replicas = [actor.remote(str(plane.sampler_model), str(store), max_adapters, plane.max_rank)
+                             for _ in range(int(replicas))]
+        else:
+            actor = ray.remote(num_cpus=1)(SamplerReplica)
+            self.replicas = [actor.remote(str(base_dir), str(store), fingerprint.to_json(), max_adapters)
+                             for _ in range(int(replicas))]
         ray.get([r.stats.remote() for r in self.replicas])  # built: a broken base fails the server's start
 
     def replica(self, name: str | None):

@@ -106,6 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 1)")
     parser.add_argument("--sampler-max-adapters", default="8", help="adapters a sampler replica keeps loaded (LRU; "
                         "an evicted one is reloaded from the store; default 8)")
+    parser.add_argument("--sampler-model", default=None, help="with --sampler vllm: the release-layout checkpoint of "
+                        "the served base, which vLLM loads")
     parser.add_argument("--poll-s", type=float, default=5.0, help="long-poll time of retrieve_future in seconds")
     parser.add_argument("--port-file", type=Path, default=None, help="write the bound port here once listening")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
@@ -207,7 +209,8 @@ def compute_plane(args: argparse.Namespace):
                          placement=args.trainer_placement,
                          max_rank=integer("--trainer-max-rank", args.trainer_max_rank),
                          replicas=integer("--sampler-replicas", args.sampler_replicas),
-                         max_adapters=integer("--sampler-max-adapters", args.sampler_max_adapters))
+                         max_adapters=integer("--sampler-max-adapters", args.sampler_max_adapters),
+                         sampler_model=args.sampler_model)
     if plane.trainer != "megatron":
         for flag, value, default in (("--trainer-layout", args.trainer_layout, ""), ("--workers", args.workers, None)):
             if value != default:

@@ -87,6 +87,7 @@ class ComputePlane:
     micro_batch: int = 1  # rows per micro-batch: the CSA2 model takes packed (THD) input one sequence at a time
     replicas: int = 1  # sampler replicas (--sampler dsv4flash|vllm)
     max_adapters: int = 8  # adapters a replica keeps loaded (LRU; an evicted one is reloaded from the store)
+    sampler_model: str | None = None  # --sampler vllm: the release-layout checkpoint vLLM serves
 
     def __post_init__(self) -> None:
         if self.trainer not in TRAINERS:
@@ -96,6 +97,9 @@ class ComputePlane:
         check_ray_address(self.ray_address)
         if self.max_rank < 1:
             raise ValueError(f"--trainer-max-rank: expected a positive integer, got {self.max_rank}")
+        if self.sampler == "vllm" and not self.sampler_model:
+            raise ValueError("--sampler vllm: needs --sampler-model DIR, the release-layout checkpoint of the served "
+                             "base (vLLM loads the release layout)")
         for flag, value in (("--sampler-replicas", self.replicas), ("--sampler-max-adapters", self.max_adapters)):
             if value < 1:
                 raise ValueError(f"{flag}: expected a positive integer, got {value}")
