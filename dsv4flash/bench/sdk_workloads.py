@@ -87,3 +87,18 @@ def concurrent(url: str, steps: int, latency: float) -> float:
     if len(con_phases) != 3:
         raise RuntimeError("a concurrent GRPO client failed (see its traceback above)")
     return time.perf_counter() - t0
+
+
+def sequential_vs_concurrent(url: str, steps: int, latency: float, advance=lambda: None) -> dict[str, float]:
+    """3 GRPO clients one after another, then 3 at once -> makespans (`sequential`, `concurrent`), the scoring
+    share of the sequential one (`scoring`) and the zero-idle `bound` max(sequential − scoring, sequential / 3)."""
+    phases: dict = {}
+    t0 = time.perf_counter()
+    for i in range(3):
+        grpo_client(url, f"seq{i}", i, steps, latency, phases)
+    seq = time.perf_counter() - t0
+    advance()
+    con = concurrent(url, steps, latency)
+    advance()
+    scoring = sum(phases.values())
+    return {"sequential": seq, "concurrent": con, "scoring": scoring, "bound": max(seq - scoring, seq / 3)}

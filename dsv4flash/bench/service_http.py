@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from dsv4flash.bench.report import BenchReport
-from dsv4flash.bench.sdk_workloads import KEY, MINT_GRPO, concurrent, grpo_client, pct, sl_data, timed
+from dsv4flash.bench.sdk_workloads import (KEY, MINT_GRPO, concurrent, pct, sequential_vs_concurrent, sl_data,
+                                          timed)
 
 TARGET_OVERHEAD_MS = 10.0  # HTTP p50 over in-process p50, per fwd+bwd+optim call
 _FLOOD_KEY = "tml-flood-000000000000000"
@@ -236,19 +237,11 @@ def _grpo(url: str, lock_url: str, rep: BenchReport, steps: int, latency: float,
 
     task = progress.add_task("GRPO: sequential, 3 concurrent clients (phase scheduler, base lock)", total=3)
     load0 = os.getloadavg()[0]
-    seq_phases: dict = {}
-    t0 = time.perf_counter()
-    for i in range(3):
-        grpo_client(url, f"seq{i}", i, steps, latency, seq_phases)
-    seq = time.perf_counter() - t0
-    progress.advance(task)
-    con = concurrent(url, steps, latency)
-    progress.advance(task)
+    runs = sequential_vs_concurrent(url, steps, latency, lambda: progress.advance(task))
+    seq, con, scoring, bound = runs["sequential"], runs["concurrent"], runs["scoring"], runs["bound"]
     con_lock = concurrent(lock_url, steps, latency)
     progress.advance(task)
     load1 = os.getloadavg()[0]
-    scoring = sum(seq_phases.values())
-    bound = max(seq - scoring, seq / 3)
     rep.add("grpo_http_sequential_makespan", seq, "s", note=f"3 clients x {steps} steps, one after another; "
             f"scoring {scoring:.1f}s of it")
     rep.add("grpo_http_concurrent_bound", bound, "s", note="max(sequential minus scoring, one client's makespan); "

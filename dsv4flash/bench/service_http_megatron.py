@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from dsv4flash.bench.report import BenchReport
-from dsv4flash.bench.sdk_workloads import KEY, MINT_GRPO, concurrent, grpo_client, pct, sl_data, timed
+from dsv4flash.bench.sdk_workloads import KEY, MINT_GRPO, pct, sequential_vs_concurrent, sl_data, timed
 
 START_S = 1800  # a loaded machine starts the Megatron workers slowly
 
@@ -94,16 +94,9 @@ def run_megatron(args, progress) -> BenchReport:
 
         task = progress.add_task("GRPO through the worker group: sequential, 3 concurrent", total=2)
         load0 = os.getloadavg()[0]
-        phases: dict = {}
-        t1 = time.perf_counter()
-        for i in range(3):
-            grpo_client(megatron.url, f"seq{i}", i, args.grpo_steps, args.reward_latency, phases)
-        seq = time.perf_counter() - t1
-        progress.advance(task)
-        con = concurrent(megatron.url, args.grpo_steps, args.reward_latency)
-        progress.advance(task)
-        scoring = sum(phases.values())
-        bound = max(seq - scoring, seq / 3)
+        runs = sequential_vs_concurrent(megatron.url, args.grpo_steps, args.reward_latency,
+                                        lambda: progress.advance(task))
+        seq, con, scoring, bound = runs["sequential"], runs["concurrent"], runs["scoring"], runs["bound"]
         rep.add("grpo_megatron_sequential_makespan", seq, "s", note=f"3 clients x {args.grpo_steps} steps one after "
                 f"another; scoring {scoring:.1f}s of it")
         rep.add("grpo_megatron_concurrent_bound", bound, "s", note="zero-idle bound: max(sequential minus scoring, "

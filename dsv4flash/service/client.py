@@ -305,8 +305,8 @@ class ServiceClient:
     def _sampling_client(self, placement, adapter, name, policy: str | None = None, step: int | None = None):
         """A sampling client on a snapshot of a run's adapter; with sampler replicas the snapshot is published as
         an adapter-only revision of the run first (the previous snapshot's revision is retired)."""
-        if self.replicas is None or policy is None:
-            return SamplingClient(self, placement, adapter, name)
+        if self.replicas is None or policy is None:  # a trainer group's adapter arrives on the CPU: bind it here
+            return SamplingClient(self, placement, self.base.to_device(adapter), name)
         from dsv4flash.lifecycle.errors import ReferencedRevisionError
         from dsv4flash.service.compute.replicas import ReplicaSamplingClient, qualified_name
 

@@ -293,8 +293,9 @@ def test_samplers_load_revisions_by_version_qualified_name_and_reload_evicted_on
     # the replica samples what the server's own base samples for the same revision (the same sampling code)
     local = core.ServiceClient(root=store)
     for path, got in zip(paths, first):
-        want = local.create_sampling_client(model_path=path).sample(
-            core.types.ModelInput.from_ints([0, 10, 11, 12]), 2, core.types.SamplingParams(max_tokens=4, seed=3)).result()
+        want = local.create_sampling_client(model_path=path).sample(core.types.ModelInput.from_ints([0, 10, 11, 12]), 2,
+                                                                    core.types.SamplingParams(max_tokens=4, seed=3)
+                                                                    ).result()
         assert [list(q.tokens) for q in got.sequences] == [list(q.tokens) for q in want.sequences]
         np.testing.assert_array_equal(np.concatenate([q.logprobs for q in got.sequences]),
                                       np.concatenate([q.logprobs for q in want.sequences]))

@@ -255,13 +255,23 @@ class TrainingClient:
         base = self.service.base
         with base.bind(self.placement, self.adapter) as model, torch.set_grad_enabled(backward):
             logps = target_logprobs(model, data)
-            per = datum_losses(loss_fn, loss_fn_config, logps, data, provenance)
-            total = torch.stack(per).sum()
-            if backward:
-                self._accumulate_gradients(total, f"forward_backward({loss_fn!r})")
-            elif not torch.isfinite(total):
-                raise NonFiniteError(f"forward({loss_fn!r}): the loss is {float(total)}")
+            per, total = self._losses(logps, data, loss_fn, loss_fn_config, provenance, backward)
         return logps, per, total
+
+    def _losses(self, logps, data, loss_fn, loss_fn_config, provenance, backward: bool):
+        """(per-datum losses, their sum) of the target log-probs; with `backward` the sum's gradients are kept
+        (`_keep_gradients`), else a non-finite sum is refused."""
+        per = datum_losses(loss_fn, loss_fn_config, logps, data, provenance)
+        total = torch.stack(per).sum()
+        if backward:
+            self._keep_gradients(total, f"forward_backward({loss_fn!r})")
+        elif not torch.isfinite(total):
+            raise NonFiniteError(f"forward({loss_fn!r}): the loss is {float(total)}")
+        return per, total
+
+    def _keep_gradients(self, loss: torch.Tensor, what: str) -> None:
+        """The trainer backend's gradient step of a checked loss (here: accumulate d loss / d adapter)."""
+        self._accumulate_gradients(loss, what)
 
     def _forward_backward_custom(self, data, loss_fn) -> ForwardBackwardOutput:
         if not data:

@@ -89,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="exact: each request's tokens bit-equal to it served alone (default); fast: the "
                              "batch-dependent ops batched too, equal to fp32 rounding (docs/serving.md, Batching)")
     parser.add_argument("--trainer", default="local", help="what trains: local (the resident base in this process, "
-                        "default) or megatron (a veRL Megatron worker group on Ray; docs/service.md, The compute plane)")
+                        "default) or megatron (a veRL Megatron worker group on Ray; docs/service.md, The compute "
+                        "plane)")
     parser.add_argument("--sampler", default="local", help="what samples: local (default), dsv4flash (the project's "
                         "rollout replicas on Ray) or vllm (vLLM replicas on GPUs)")
     parser.add_argument("--ray-address", default="local", help="local (a Ray cluster of this server on 127.0.0.1, "

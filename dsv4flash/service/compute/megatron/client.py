@@ -16,8 +16,7 @@ import torch
 
 from dsv4flash.service import calls
 from dsv4flash.service.compute.megatron.batch import build_batch, row_logprobs
-from dsv4flash.service.compute.training import (NonFiniteError, TrainingClient, _tinker_types, call_custom_loss,
-                                                datum_losses)
+from dsv4flash.service.compute.training import NonFiniteError, TrainingClient, _tinker_types, call_custom_loss
 from dsv4flash.service.types import check_adam_params
 
 
@@ -59,13 +58,13 @@ class MegatronTrainingClient(TrainingClient):
         batch, _ = build_batch(data, loss_fn, loss_fn_config, provenance, self.group.dp,
                                self.service.base.cfg.pad_token_id, micro_batch=self.group.plane.micro_batch)
         out = (self.group.backward if backward else self.group.forward)(self.run_id, batch)
-        logps = row_logprobs(out, data)
-        per = datum_losses(loss_fn, loss_fn_config, logps, data, provenance)
-        total = torch.stack(per).sum()
-        if backward:
-            self._acknowledge(total, f"forward_backward({loss_fn!r})")
-        elif not torch.isfinite(total):
-            raise NonFiniteError(f"forward({loss_fn!r}): the loss is {float(total)}")
+        try:
+            logps = row_logprobs(out, data)
+            per, total = self._losses(logps, data, loss_fn, loss_fn_config, provenance, backward)
+        except BaseException:
+            if backward:  # the workers' gradients of this call are live but not acknowledged: drop them
+                self.group.rollback(self.run_id)
+            raise
         return logps, per, total
 
     def _run_custom(self, data, loss_fn):
@@ -85,10 +84,10 @@ class MegatronTrainingClient(TrainingClient):
                                    self.service.base.cfg.pad_token_id, inputs=weights,
                                    micro_batch=self.group.plane.micro_batch)
         self.group.backward(self.run_id, surrogate)
-        self._acknowledge(loss.detach(), "forward_backward_custom")
+        self._keep_gradients(loss.detach(), "forward_backward_custom")
         return [lp.detach() for lp in logps], loss, metrics
 
-    def _acknowledge(self, total: torch.Tensor, what: str) -> None:
+    def _keep_gradients(self, total: torch.Tensor, what: str) -> None:
         """Keep the gradients the workers just accumulated, or undo them (a non-finite loss, a stopped call)."""
         try:
             calls.check()  # the last point where stopping the call leaves the run unchanged

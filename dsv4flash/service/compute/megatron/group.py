@@ -19,7 +19,8 @@ import torch
 
 from dsv4flash.service.compute.megatron.layout import ComputePlane
 from dsv4flash.service.plane.admission import AdmissionError, check_base
-from dsv4flash.service.compute.megatron.mapping import DIGIT_BITS, AdapterMap, cut_from_shell, digits_needed, pad_to_shell
+from dsv4flash.service.compute.megatron.mapping import (DIGIT_BITS, AdapterMap, cut_from_shell, digits_needed,
+                                                        pad_to_shell)
 
 
 class TrainerRestarting(RuntimeError):
@@ -159,9 +160,9 @@ class MegatronGroup:
                                  f"(dsv4flash serve --trainer-max-rank)")
         outside = sorted(set(shapes) - set(self.map.keys))
         if outside:
-            raise AdmissionError(f"LoraConfig.preset: adapter module {outside[0].rsplit('.lora_', 1)[0]} is outside the "
-                                 f"trainer group's placement shell {self.plane.placement!r} (dsv4flash serve "
-                                 f"--trainer-placement)")
+            module = outside[0].rsplit(".lora_", 1)[0]
+            raise AdmissionError(f"LoraConfig.preset: adapter module {module} is outside the trainer group's placement "
+                                 f"shell {self.plane.placement!r} (dsv4flash serve --trainer-placement)")
 
     # ---- policies ----
     def create(self, policy: str, tensors: dict[str, torch.Tensor], scale: float, *, project: bool) -> dict:
@@ -223,8 +224,8 @@ class MegatronGroup:
     def backward(self, policy: str, batch) -> object:
         """forward_backward on the policy; the gradients stay live and uncommitted until `commit_grads` (or
         `rollback`) -> the workers' collected output."""
-        return self._call("forward_backward",
-                          lambda: (self._activate(policy), self.group.policy_forward_backward(batch))[1])
+        return self._mutating("forward_backward", policy,
+                              lambda: (self._activate(policy), self.group.policy_forward_backward(batch))[1])
 
     def commit_grads(self, policy: str) -> None:
         """Acknowledge the gradients of the last `backward` (refused if any is not finite: FloatingPointError)."""
@@ -241,8 +242,11 @@ class MegatronGroup:
         """One Adam step with the client's hyperparameters -> metrics (grad_norm)."""
         params = {"lr": float(lr), "betas": (float(betas[0]), float(betas[1])), "eps": float(eps),
                   "weight_decay": float(weight_decay)}
-        out = self._call("optim_step", lambda: (self._activate(policy),
-                                                self.group.policy_optim_step(policy, params, float(clip)))[1])
+        def step():
+            self._activate(policy)
+            return self.group.policy_optim_step(policy, params, float(clip))
+
+        out = self._mutating("optim_step", policy, step)
         self._acked[policy] = [o["state"] for o in out]
         self.metrics.commit_bytes += sum(3 * int(o["state"]["value"].numel()) * 4 for o in out)
         norms = [o["metrics"].get("grad_norm") for o in out if o["metrics"].get("grad_norm") is not None]
@@ -264,7 +268,8 @@ class MegatronGroup:
                  m.commit_bytes),
                 ("restarts_total", "counter", "Times the group was rebuilt after losing a worker.", m.restarts),
                 ("policies", "gauge", "Policies with a slot on the group.", len(self._acked)),
-                ("live_bytes", "gauge", "Bytes of the live adapter training tensors on the largest rank (one policy's).",
+                ("live_bytes", "gauge", "Bytes of the live adapter training tensors on the largest rank (one "
+                 "policy's).",
                  max(r["live_bytes"] for r in memory)),
                 ("slot_bytes", "gauge", "Host bytes of every slot, all ranks.", sum(r["slot_bytes"] for r in memory)),
                 ("device_peak_bytes", "gauge", "Peak device memory of the largest rank (0 on the CPU).",
@@ -274,7 +279,8 @@ class MegatronGroup:
             lines += [f"# HELP dsv4flash_trainer_{name} {text}", f"# TYPE dsv4flash_trainer_{name} {kind}",
                       f"dsv4flash_trainer_{name} {value:g}" if isinstance(value, float) else
                       f"dsv4flash_trainer_{name} {value}"]
-        lines += ["# HELP dsv4flash_trainer_calls_total Group calls by kind.", "# TYPE dsv4flash_trainer_calls_total counter"]
+        lines += ["# HELP dsv4flash_trainer_calls_total Group calls by kind.",
+                  "# TYPE dsv4flash_trainer_calls_total counter"]
         lines += [f'dsv4flash_trainer_calls_total{{kind="{k}"}} {v}' for k, v in sorted(m.calls.items())]
         return "\n".join(lines) + "\n"
 
@@ -283,6 +289,20 @@ class MegatronGroup:
         return self._call("pid", lambda: self.group.pid())
 
     # ---- internals ----
+    def _mutating(self, kind: str, policy: str, fn):
+        """`_call` of a call that changes the policy's live tensors: if it fails (and the group still stands), the
+        policy goes back to its acknowledged slot, so nothing of the failed call stays."""
+        try:
+            return self._call(kind, fn)
+        except TrainerRestarting:
+            raise  # the rebuilt group restores the acknowledged slot anyway
+        except BaseException:
+            try:
+                self.rollback(policy)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+            raise
+
     def _activate(self, policy: str) -> None:
         stats = self.group.activate(policy)
         moved = sum(s["bytes"] for s in stats)

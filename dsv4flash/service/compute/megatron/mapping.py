@@ -198,7 +198,8 @@ def pad_to_shell(tensors: dict[str, torch.Tensor], keys, shapes) -> dict[str, to
     return out
 
 
-def cut_from_shell(full: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], what: str) -> dict[str, torch.Tensor]:
+def cut_from_shell(full: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
+                   what: str) -> dict[str, torch.Tensor]:
     """The policy's own tensors (`shapes`: key -> its shape) out of shell-sized ones; everything cut away must
     be exactly zero (RuntimeError naming the tensor otherwise: the padding invariant broke)."""
     out = {}
