@@ -48,9 +48,6 @@ def megatron(tmp_path_factory):
     state = {"dir": root, "store": root / "store", "keys": _keys(root / "keys")}
     state["server"] = ServerProcess(state["store"], state["keys"], args=ARGS, start_timeout_s=START_S)
     yield state
-    for client in _CLIENTS:  # an open SDK client's heartbeat thread outlives the test and logs every 10 s
-        with contextlib.suppress(Exception):
-            client.close("success").result(timeout=30)
     _stop(state["server"])
 
 
@@ -64,9 +61,17 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _stop(server, kill: bool = False) -> None:
-    """Stop (or SIGKILL) the server, then end whatever of its Ray processes outlived it, by pid."""
+    """Stop (or SIGKILL) the server, then end whatever of its Ray processes outlived it, by pid. Its SDK clients
+    are closed (an open client's heartbeat thread outlives the test and logs every 10 s): before a stop, or after
+    a kill without waiting (nothing answers them)."""
     pids = _descendants(server.proc.pid)
+    clients = _CLIENTS.pop(server.url, [])
+    for client in clients if not kill else []:
+        with contextlib.suppress(Exception):
+            client.close("success").result(timeout=30)
     server.kill() if kill else server.stop()
+    for client in clients if kill else []:
+        client.close("interrupted")
     time.sleep(1.0)
     for pid in pids:
         try:
@@ -75,14 +80,14 @@ def _stop(server, kill: bool = False) -> None:
             pass
 
 
-_CLIENTS: list = []
+_CLIENTS: dict[str, list] = {}  # server url -> the SDK clients made on it
 
 
 def _sdk(server, tenant="ann"):
     import tinker
 
     client = tinker.ServiceClient(base_url=server.url, api_key=KEYS[tenant])
-    _CLIENTS.append(client)
+    _CLIENTS.setdefault(server.url, []).append(client)
     return client
 
 
