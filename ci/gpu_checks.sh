@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks: the `gpu`-marked tests on a machine with a CUDA GPU (CI has none; docs/verl.md, docs/vllm.md).
 #   bash ci/gpu_checks.sh                # tests/gpu (the embedded engines on CUDA against the CPU among them:
-#                                        # tests/gpu/test_embedded_cuda.py), plus tests/vllm and tests/verl where a CUDA build of
+#                                        # tests/gpu/test_embedded_cuda.py; `dsv4flash serve --trainer megatron`
+#                                        # at tiny size on CUDA: tests/gpu/test_megatron_server_cuda.py,
+#                                        # `-k megatron_server` alone), plus tests/vllm and tests/verl where a CUDA build of
 #                                        # vLLM 0.33 is installed (generates a synthetic small V4.1 checkpoint once)
 #   bash ci/gpu_checks.sh -k megatron    # pytest options pass through (here: the Megatron actor GRPO update only)
 # A machine that can fetch nothing (the device tool's image: Python 3.12, CUDA torch, triton, peft; no vLLM, no

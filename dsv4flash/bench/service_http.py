@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from dsv4flash.bench.report import BenchReport
+from dsv4flash.bench.sdk_workloads import (KEY, MINT_GRPO, concurrent, pct, sequential_vs_concurrent, sl_data,
+                                          timed)
 
-MINT_GRPO = 1.77
 TARGET_OVERHEAD_MS = 10.0  # HTTP p50 over in-process p50, per fwd+bwd+optim call
-_KEY = "tml-bench-0000000000000000"
 _FLOOD_KEY = "tml-flood-000000000000000"
 
 
@@ -37,29 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reward-latency", type=float, default=0.05, help="seconds per reward call")
     parser.add_argument("--flood-requests", type=int, default=200, help="requests the flooding tenant sends")
     parser.add_argument("--plot", metavar="PNG", help="also write a chart of the comparisons")
-
-
-def _pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(xs) * 1e3, q))
-
-
-def _timed(fn, calls: int, progress, label: str) -> list[float]:
-    fn()  # warm-up (first call builds shells, connections)
-    out = []
-    task = progress.add_task(label, total=calls)
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-        progress.advance(task)
-    return out
-
-
-def _sl_data(mod):
-    rows = [[0, 10, 11, 12, 20, 21, 22, 1], [0, 13, 14, 15, 23, 24, 25, 1]]
-    return [mod.Datum(model_input=mod.ModelInput.from_ints(r[:-1]),
-                      loss_fn_inputs=dict(target_tokens=np.array(r[1:]), weights=np.ones(len(r) - 1, np.float32)))
-            for r in rows]
+    parser.add_argument("--trainer", choices=("local", "megatron"), default="local",
+                        help="megatron: the Megatron compute plane against --trainer local instead "
+                             "(dsv4flash/bench/service_http_megatron.py)")
+    parser.add_argument("--trainer-layout", default="ep=2", help="with --trainer megatron (default ep=2)")
+    parser.add_argument("--sampler", default="dsv4flash", help="with --trainer megatron (default dsv4flash)")
 
 
 def _latency(url: str, rep: BenchReport, calls: int, progress) -> dict:
@@ -69,11 +51,11 @@ def _latency(url: str, rep: BenchReport, calls: int, progress) -> dict:
 
     import dsv4flash.service as core
 
-    sdk = tinker.ServiceClient(base_url=url, api_key=_KEY)
+    sdk = tinker.ServiceClient(base_url=url, api_key=KEY)
     tc = sdk.create_lora_training_client(base_model="tiny", rank=4).result()
     local = core.ServiceClient("tiny", root=tempfile.mkdtemp(prefix="dsv4flash-bench-"))
     ltc = local.create_lora_training_client(rank=4)
-    http_data, local_data = _sl_data(types), _sl_data(core.types)
+    http_data, local_data = sl_data(types), sl_data(core.types)
 
     def http_step():
         fb, opt = tc.forward_backward(http_data, "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=1e-3))
@@ -90,24 +72,24 @@ def _latency(url: str, rep: BenchReport, calls: int, progress) -> dict:
     local_params = core.types.SamplingParams(max_tokens=4, seed=1)
     local_sample = lambda: lsampler.sample(lprompt, 4, local_params).result()  # noqa: E731
     with httpx.Client() as h:
-        rtt = _timed(lambda: h.get(f"{url}/api/v1/healthz"), calls, progress, "loopback round trip")
-    t = {"step_http": _timed(http_step, calls, progress, "fwd+bwd+optim via HTTP"),
-         "step_local": _timed(local_step, calls, progress, "fwd+bwd+optim in-process"),
-         "sample_http": _timed(http_sample, calls, progress, "sample via HTTP"),
-         "sample_local": _timed(local_sample, calls, progress, "sample in-process")}
-    rtt50 = _pct(rtt, 50)
+        rtt = timed(lambda: h.get(f"{url}/api/v1/healthz"), calls, progress, "loopback round trip")
+    t = {"step_http": timed(http_step, calls, progress, "fwd+bwd+optim via HTTP"),
+         "step_local": timed(local_step, calls, progress, "fwd+bwd+optim in-process"),
+         "sample_http": timed(http_sample, calls, progress, "sample via HTTP"),
+         "sample_local": timed(local_sample, calls, progress, "sample in-process")}
+    rtt50 = pct(rtt, 50)
     rep.add("loopback_rtt_p50", rtt50, "ms", note="GET /healthz on 127.0.0.1 (one HTTP exchange)")
     for what, exchanges in (("step", 4), ("sample", 2)):
         for q in (50, 99):
-            rep.add(f"{what}_local_p{q}", _pct(t[f"{what}_local"], q), "ms", note="in-process service core")
-            rep.add(f"{what}_floor_p{q}", _pct(t[f"{what}_local"], q) + exchanges * rtt50, "ms",
+            rep.add(f"{what}_local_p{q}", pct(t[f"{what}_local"], q), "ms", note="in-process service core")
+            rep.add(f"{what}_floor_p{q}", pct(t[f"{what}_local"], q) + exchanges * rtt50, "ms",
                     note=f"in-process + {exchanges} round trips")
-            rep.add(f"{what}_http_p{q}", _pct(t[f"{what}_http"], q), "ms", baseline=f"{what}_local_p{q}",
+            rep.add(f"{what}_http_p{q}", pct(t[f"{what}_http"], q), "ms", baseline=f"{what}_local_p{q}",
                     limit=f"{what}_floor_p{q}", note="tinker SDK 0.38 -> dsv4flash serve")
     overhead = rep.value("step_http_p50") - rep.value("step_local_p50")
     rep.target(f"HTTP overhead of one fwd+bwd+optim call {overhead:.1f} ms at p50 (target <= {TARGET_OVERHEAD_MS} ms)",
                overhead <= TARGET_OVERHEAD_MS)
-    return {k: (_pct(v, 50), _pct(v, 99)) for k, v in t.items()}
+    return {k: (pct(v, 50), pct(v, 99)) for k, v in t.items()}
 
 
 # The flood's bound on the server's resident growth: one compression bomb decompressed in full grows it by GiBs.
@@ -135,7 +117,7 @@ def flood_vs_light(url: str, light_key: str, flood_key: str, *, calls: int = 10,
     from tinker import types
     from tinker.proto.request_conv import forward_backward_request_to_proto
 
-    data, prompt = _sl_data(types), [0, 10, 11, 12]
+    data, prompt = sl_data(types), [0, 10, 11, 12]
     with tinker.ServiceClient(base_url=url, api_key=light_key) as light, \
             tinker.ServiceClient(base_url=url, api_key=flood_key) as flood:
         tc = light.create_lora_training_client(base_model="tiny", rank=4).result()
@@ -228,12 +210,12 @@ def flood_vs_light(url: str, light_key: str, flood_key: str, *, calls: int = 10,
 def _fairness(url: str, flood_key: str, rep: BenchReport, calls: int, flood_requests: int, pid: int,
               progress) -> dict:
     task = progress.add_task("light tenant alone, then beside a flooding tenant", total=1)
-    out = flood_vs_light(url, _KEY, flood_key, calls=calls, flood_requests=flood_requests, pid=pid)
+    out = flood_vs_light(url, KEY, flood_key, calls=calls, flood_requests=flood_requests, pid=pid)
     progress.advance(task)
     for q in (50, 99):
-        rep.add(f"light_step_alone_p{q}", _pct(out["alone"], q), "ms", note="fwd+bwd+optim + 4-token sample, "
+        rep.add(f"light_step_alone_p{q}", pct(out["alone"], q), "ms", note="fwd+bwd+optim + 4-token sample, "
                 "the only tenant (before and after the flood)")
-        rep.add(f"light_step_beside_flood_p{q}", _pct(out["beside"], q), "ms", baseline=f"light_step_alone_p{q}",
+        rep.add(f"light_step_beside_flood_p{q}", pct(out["beside"], q), "ms", baseline=f"light_step_alone_p{q}",
                 note=f"same, while another tenant floods ({out['accepted']} requests queued, {out['refused']} "
                      f"refused with 429; samples to the context limit)")
     rep.add("healthz_max_during_flood", max(out["health"]) * 1e3, "ms", note=f"{len(out['health'])} polls")
@@ -250,75 +232,16 @@ def _fairness(url: str, flood_key: str, rep: BenchReport, calls: int, flood_requ
     return out
 
 
-def _grpo_client(url: str, name: str, seed: int, steps: int, latency: float, phases: dict) -> None:
-    """One cookbook-shaped GRPO loop through the SDK: rollout, score (sleeps), update, export."""
-    import tinker
-    from tinker import types
-
-    sdk = tinker.ServiceClient(base_url=url, api_key=_KEY)
-    tc = sdk.create_lora_training_client(base_model="tiny", rank=4, seed=seed).result()
-    prompts = [[0, 20 + seed, 21, 22], [0, 30 + seed, 31, 32]]
-    score = 0.0
-    for step in range(steps):
-        sampler = tc.save_weights_and_get_sampling_client().result()
-        groups = [f.result() for f in [sampler.sample(types.ModelInput.from_ints(p), 4, types.SamplingParams(
-            max_tokens=4, seed=seed * 100003 + step * 101 + i)) for i, p in enumerate(prompts)]]
-        t0 = time.perf_counter()
-        rewards = []
-        for p, g in zip(prompts, groups):
-            rs = []
-            for s in g.sequences:
-                time.sleep(latency)  # the reward call's latency: leaves the base to the other clients
-                rs.append(float((p + list(s.tokens))[-1] % 3 == 0))
-            rewards.append(rs)
-        score += time.perf_counter() - t0
-        data = []
-        for p, g, rs in zip(prompts, groups, rewards):
-            mean = sum(rs) / len(rs)
-            for s, r in zip(g.sequences, rs):
-                toks, ob = p + list(s.tokens), len(p) - 1
-                data.append(types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]), loss_fn_inputs=dict(
-                    target_tokens=np.array(toks[1:]), logprobs=np.array([0.0] * ob + list(s.logprobs), np.float32),
-                    advantages=np.array([0.0] * ob + [r - mean] * len(s.tokens), np.float32))))
-        fb, opt = tc.forward_backward(data, "importance_sampling"), tc.optim_step(types.AdamParams(learning_rate=1e-2))
-        fb.result(), opt.result()
-        tc.save_weights_for_sampler(f"{name}-step-{step + 1}").result()
-    phases[name] = score
-
-
-def _concurrent(url: str, steps: int, latency: float) -> float:
-    """Makespan of 3 GRPO clients at once."""
-    con_phases: dict = {}
-    threads = [threading.Thread(target=_grpo_client, args=(url, f"con{i}", i, steps, latency, con_phases))
-               for i in range(3)]
-    t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if len(con_phases) != 3:
-        raise RuntimeError("a concurrent GRPO client failed (see its traceback above)")
-    return time.perf_counter() - t0
-
-
 def _grpo(url: str, lock_url: str, rep: BenchReport, steps: int, latency: float, progress) -> dict:
     import os
 
     task = progress.add_task("GRPO: sequential, 3 concurrent clients (phase scheduler, base lock)", total=3)
     load0 = os.getloadavg()[0]
-    seq_phases: dict = {}
-    t0 = time.perf_counter()
-    for i in range(3):
-        _grpo_client(url, f"seq{i}", i, steps, latency, seq_phases)
-    seq = time.perf_counter() - t0
-    progress.advance(task)
-    con = _concurrent(url, steps, latency)
-    progress.advance(task)
-    con_lock = _concurrent(lock_url, steps, latency)
+    runs = sequential_vs_concurrent(url, steps, latency, lambda: progress.advance(task))
+    seq, con, scoring, bound = runs["sequential"], runs["concurrent"], runs["scoring"], runs["bound"]
+    con_lock = concurrent(lock_url, steps, latency)
     progress.advance(task)
     load1 = os.getloadavg()[0]
-    scoring = sum(seq_phases.values())
-    bound = max(seq - scoring, seq / 3)
     rep.add("grpo_http_sequential_makespan", seq, "s", note=f"3 clients x {steps} steps, one after another; "
             f"scoring {scoring:.1f}s of it")
     rep.add("grpo_http_concurrent_bound", bound, "s", note="max(sequential minus scoring, one client's makespan); "
@@ -342,9 +265,14 @@ def run(args: argparse.Namespace) -> BenchReport:
     from dsv4flash.service.protocol.launch import ServerProcess
 
     torch.set_num_threads(1)
+    if args.trainer == "megatron":
+        from dsv4flash.bench.service_http_megatron import run_megatron
+
+        with Progress(transient=True) as progress:
+            return run_megatron(args, progress)
     rep = BenchReport("dsv4flash serve vs in-process service (tiny, 1 thread each side)")
     root = Path(tempfile.mkdtemp(prefix="dsv4flash-bench-http-"))
-    (root / "keys").write_text(f"bench {_KEY}\nflood {_FLOOD_KEY}\n")
+    (root / "keys").write_text(f"bench {KEY}\nflood {_FLOOD_KEY}\n")
     lat = grpo = None
     with ServerProcess(root / "store", root / "keys", poll_s=30.0) as server, Progress(transient=True) as progress:
         if args.part in ("all", "latency"):

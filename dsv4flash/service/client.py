@@ -30,7 +30,8 @@ class ServiceClient:
     def __init__(self, base_model: str = "tiny", *, root: str | Path | None = None, base_dir: str | Path | None = None,
                  seed: int = 0, resident: ResidentBase | None = None, api_key: str | None = None,
                  base_url: str | None = None, user_metadata: dict | None = None,
-                 state_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto") -> None:
+                 state_dir: str | Path | None = None, device: str = "auto", dtype: str = "auto",
+                 plane=None, log=None) -> None:
         from dsv4flash.lifecycle import AdapterStore
         from dsv4flash.lifecycle.default_store import local_dir_for, store_location
 
@@ -58,6 +59,23 @@ class ServiceClient:
 
         self._fingerprint = base_fingerprint(self.base.cfg)
         self.serving = None  # `enable_serving`: the tiers + continuous batcher every sampling call then goes through
+        # The compute plane (`dsv4flash serve --trainer/--sampler`): None or trainer "local" trains in this process
+        # on the resident base; "megatron" on a veRL Megatron worker group on Ray (compute/megatron/).
+        self.plane = plane
+        self.trainer_group = None
+        self.replicas = None  # `--sampler dsv4flash`: the sampler replicas (compute/replicas.py)
+        self._base_dir = Path(base_dir) if base_dir is not None else None
+        self._snapshots: dict[str, str] = {}  # run -> the revision of its last sampler snapshot
+        log = log or (lambda line: None)
+        if plane is not None and plane.trainer == "megatron":
+            self.trainer_group = self._start_trainer_group(log)
+        if plane is not None and plane.sampler in ("dsv4flash", "vllm"):
+            from dsv4flash.service.compute.replicas import ReplicaPool
+
+            log(f"samplers: starting {plane.replicas} {plane.sampler} replica(s)")
+            self.replicas = ReplicaPool(plane, base_dir=self.served_base_dir(), store=str(self.root),
+                                        fingerprint=self._fingerprint, replicas=plane.replicas,
+                                        max_adapters=plane.max_adapters)
 
     def enable_serving(self, **options):
         """Serve sampling through the lifecycle's tiers and the continuous batcher (`compute/serving.Serving`
@@ -75,9 +93,10 @@ class ServiceClient:
     def create_lora_training_client(self, base_model: str | None = None, rank: int | None = None,
                                     seed: int | None = None, train_mlp: bool = True, train_attn: bool = True,
                                     train_unembed: bool = True, user_metadata: dict | None = None, *,
-                                    preset: str = "full_linear", run_id: str | None = None,
+                                    preset: str | None = None, run_id: str | None = None,
                                     **placement) -> TrainingClient:
-        """A new LoRA run; `preset` (and extra LoraConfig fields) choose the dsv4flash placement.
+        """A new LoRA run; `preset` (and extra LoraConfig fields) choose the dsv4flash placement (None: the
+        server's default, `full_linear`, or the trainer group's shell preset under `--trainer megatron`).
 
         `rank=None` takes the preset's rank (Tinker's signature defaults to 32; the SDK always sends one)."""
         if base_model is not None and base_model != self.base.base_model:
@@ -87,11 +106,16 @@ class ServiceClient:
                             train_unembed=train_unembed, preset=preset, **placement)
         return self._new_run(pc, user_metadata, run_id)
 
-    @staticmethod
-    def placement(*, rank: int | None = None, seed: int | None = None, train_mlp: bool = True,
-                  train_attn: bool = True, train_unembed: bool = True, preset: str = "full_linear",
+    @property
+    def default_preset(self) -> str:
+        """The placement preset of a run that names none: the trainer group's shell preset, else `full_linear`."""
+        return self.plane.placement if self.trainer_group is not None else "full_linear"
+
+    def placement(self, *, rank: int | None = None, seed: int | None = None, train_mlp: bool = True,
+                  train_attn: bool = True, train_unembed: bool = True, preset: str | None = None,
                   **placement) -> PlacementConfig:
         """The placement of a Tinker `create_lora_training_client` call (ValueError naming the field if invalid)."""
+        preset = self.default_preset if preset is None else preset
         if not (train_mlp or train_attn):
             raise ValueError("create_lora_training_client: train_mlp and train_attn are both False: nothing to adapt")
         if "train_head" in placement:
@@ -128,6 +152,14 @@ class ServiceClient:
             else:
                 tensors, placement = self._read_revision(revision, f"revision {revision[:12]}")
                 client = SamplingClient(self, placement, tensors, revision[:12])
+        elif self.replicas is not None:  # published revisions sample on the replicas, by version-qualified name
+            from dsv4flash.service.compute.replicas import ReplicaSamplingClient, qualified_name
+
+            if model_path is None:
+                client = ReplicaSamplingClient(self, None, None, "base")
+            else:
+                rec = self.require_checkpoint(model_path)
+                client = ReplicaSamplingClient(self, None, rec.id, qualified_name(rec.policy, rec.id))
         elif model_path is None:
             client = SamplingClient(self, None, None, "base")
         elif self.serving is not None:  # the adapter comes from the tiers per call; reading it now checks it
@@ -270,8 +302,24 @@ class ServiceClient:
             raise CheckpointIntegrityError(path, exc) from exc
 
     # ---- internals ----
-    def _sampling_client(self, placement, adapter, name) -> SamplingClient:
-        return SamplingClient(self, placement, adapter, name)
+    def _sampling_client(self, placement, adapter, name, policy: str | None = None, step: int | None = None):
+        """A sampling client on a snapshot of a run's adapter; with sampler replicas the snapshot is published as
+        an adapter-only revision of the run first (the previous snapshot's revision is retired)."""
+        if self.replicas is None or policy is None:  # a trainer group's adapter arrives on the CPU: bind it here
+            return SamplingClient(self, placement, self.base.to_device(adapter), name)
+        from dsv4flash.lifecycle.errors import ReferencedRevisionError
+        from dsv4flash.service.compute.replicas import ReplicaSamplingClient, qualified_name
+
+        with self.store_lock:
+            rev = self.store.publish(policy, {k: v.detach().cpu() for k, v in adapter.items()}, step=step,
+                                     extra={"placement": placement.to_dict(), "kind": "sampler_snapshot"})
+            previous, self._snapshots[policy] = self._snapshots.get(policy), rev.id
+            if previous is not None and previous != rev.id:
+                try:
+                    self.store.catalog.retire(previous)
+                except ReferencedRevisionError:
+                    pass  # a checkpoint name points at the same bytes: they stay
+        return ReplicaSamplingClient(self, placement, rev.id, qualified_name(policy, rev.id))
 
     def _read_checkpoint(self, path: str, with_state: bool):
         """(adapter tensors, trainer state or None, placement) of a checkpoint, from one read of its revision; the
@@ -312,13 +360,61 @@ class ServiceClient:
         return tensors, placement
 
     def _new_run(self, pc: PlacementConfig, user_metadata: dict | None, run_id: str | None) -> TrainingClient:
-        """A fresh adapter of placement `pc` as a new policy of the store."""
+        """A fresh adapter of placement `pc` as a new policy of the store (on the trainer group when there is one:
+        admitted first, so a policy it cannot hold leaves nothing behind)."""
         run_id = run_id or f"run-{next(_run_counter)}-{id(self) & 0xFFFF:04x}"
+        fresh = self.base.fresh_adapter(pc)
+        if self.trainer_group is not None:
+            self.trainer_group.admit({k: tuple(v.shape) for k, v in fresh.items()}, int(pc.rank), self.fingerprint())
         self.store.create_policy(run_id, self.fingerprint(), {
             "user_metadata": dict(user_metadata or {}),
             SERVICE_META: {"base_model": self.base.base_model, "rank": pc.rank, "preset": pc.preset,
                            "train_head": pc.train_head}})
-        return TrainingClient(self, run_id, pc, self.base.fresh_adapter(pc))
+        if self.trainer_group is not None:
+            from dsv4flash.service.compute.megatron.client import MegatronTrainingClient
+
+            return MegatronTrainingClient(self, run_id, pc, self.trainer_group, fresh)
+        return TrainingClient(self, run_id, pc, fresh)
+
+    def admit(self, placement: PlacementConfig) -> None:
+        """Refuse (`AdmissionError` naming the field) a placement the trainer cannot hold: with the Megatron group,
+        a module outside its shell or a rank above its maximum; the local trainer holds every placement."""
+        if self.trainer_group is not None:
+            from dsv4flash.lora import lora_parameters
+
+            shapes = {k: tuple(p.shape) for k, p in lora_parameters(self.base.shell(placement)).items()}
+            self.trainer_group.admit(shapes, int(placement.rank), self.fingerprint())
+
+    def admit_checkpoint(self, path: str) -> None:
+        """Refuse a checkpoint a new run cannot start from: trained on another base (`AdmissionError` naming it), or
+        of a placement the trainer cannot hold."""
+        from dsv4flash.service.plane.admission import check_base
+
+        rec = self.require_checkpoint(path)
+        check_base(rec.base, self.fingerprint(), f"checkpoint {path}")
+        if self.trainer_group is not None:
+            self.admit(self._read_checkpoint(path, False)[2])
+
+    def served_base_dir(self) -> Path:
+        """The served base as a base directory the compute plane's workers load (the one the server was given; a
+        seeded initialisation is written to `<state>/service/base` first)."""
+        if self._base_dir is None:
+            from dsv4flash.engine.model_io import save_base
+            from dsv4flash.tasks import TaskTokenizer
+
+            self._base_dir = save_base(self.base.model, self.base.cfg, TaskTokenizer(self.base.cfg),
+                                       self.state_root / "service" / "base",
+                                       {"kind": "served-base", "fingerprint": self._fingerprint.to_json()})
+        return self._base_dir
+
+    def _start_trainer_group(self, log):
+        """Start the Megatron trainer group on this service's base."""
+        from dsv4flash.service.compute.megatron.group import MegatronGroup
+
+        group = MegatronGroup(self.plane, base_dir=self.served_base_dir(), cfg=self.base.cfg,
+                              fingerprint=self._fingerprint, work_dir=self.state_root / "service" / "trainer")
+        group.start(log=log)
+        return group
 
     def _from_state(self, path: str, with_optimizer: bool, user_metadata: dict | None = None,
                     run_id: str | None = None) -> TrainingClient:

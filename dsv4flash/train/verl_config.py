@@ -106,6 +106,8 @@ def megatron_lora_targets(mcfg: Any, lora_cfg: Any) -> list[str]:
             out.append(f"*.layers.*.{rest}")
         else:
             out.extend(f"*.layers.{layer}.{rest}" for layer in layers if layer in owners)
+    if lora_cfg.train_head:  # the head LoRA (`head`, Megatron's `output_layer`) is the placement's own switch
+        out.append("output_layer")
     return out
 
 

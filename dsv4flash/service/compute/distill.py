@@ -45,6 +45,9 @@ def forward_backward_reverse_kl(training_client, data: list[ReverseKLDatum], ref
     """Queue one reverse-KL forward/backward on `training_client` (in order with its other calls)."""
     if not data:
         raise ValueError("forward_backward_reverse_kl: empty data list")
+    if training_client.resource != "base":  # the student's full distribution is read off the resident base here
+        raise ValueError("forward_backward_reverse_kl: runs on the local trainer only; this run trains on the Megatron "
+                         "trainer group (dsv4flash serve --trainer local for MinT's reverse-KL distillation)")
     if not temperature > 0:
         raise ValueError(f"forward_backward_reverse_kl: temperature must be > 0, got {temperature}")
     context = training_client.service.base.cfg.text.max_position_embeddings

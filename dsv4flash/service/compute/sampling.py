@@ -41,6 +41,30 @@ def check_sample_request(ids: list[int], num_samples: int, params: SamplingParam
                          f"the model's context of {context} tokens (shorten the prompt or lower max_tokens)")
 
 
+@torch.no_grad()
+def prompt_logprobs(model, ids: list[int], topk: int = 0):
+    """log p(token_t | tokens_<t) per prompt token (None first) under `model`; with `topk` also each position's k
+    most likely (token, log-prob) (None first) -> (logprobs, topk rows)."""
+    logp = next_token_logprobs(model, torch.tensor(ids))[:-1]  # [L-1,V]: position t predicts token t+1
+    lp = logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+    if not topk:
+        return [None] + lp.tolist()
+    top = logp.topk(min(topk, logp.shape[-1]), dim=-1)
+    rows = [[(int(i), float(v)) for i, v in zip(ti, tv)] for ti, tv in zip(top.indices, top.values)]
+    return [None] + lp.tolist(), [None] + rows
+
+
+def sample_rows(model, ids: list[int], n: int, params: SamplingParams, seed: int, stops, topk: int, pad_id: int,
+                max_tokens: int, *, use_cache: bool = True, prefilled=None, before_step=None, after_step=None):
+    """`n` continuations of the prompt `ids` under `model` (one generator seeded `seed` for all rows) -> the
+    engine's `Rollout`: what a `SamplingClient` samples, wherever its model runs (here, or a sampler replica)."""
+    row = (torch.tensor(ids), torch.full((len(ids),), TEXT), [])  # every sample starts from the prompt
+    sampling = Sampling(params.temperature, params.top_k, params.top_p, processed_greedy=True)
+    return generate(model, [row] * n, max_new_tokens=max_tokens, eos_id=None, pad_id=pad_id, sampling=sampling,
+                    generator=torch.Generator().manual_seed(seed), use_cache=use_cache, stop=stops, topk=topk,
+                    share_prefixes=False, prefilled=prefilled, before_step=before_step, after_step=after_step)
+
+
 class SamplingClient:
     """Samples from a fixed adapter snapshot; calls return futures and run in submission order.
 
@@ -54,6 +78,8 @@ class SamplingClient:
     """
 
     use_cache = True
+    remote = False  # a replica's client (compute/replicas.py): its calls leave this process, not the serving path
+    resource = "base"  # what its compute occupies: the server's scheduler for it grants the turns
 
     def __init__(self, service, placement, adapter: dict[str, torch.Tensor] | None, name: str,
                  revision: str | None = None, loaded=None) -> None:
@@ -105,7 +131,7 @@ class SamplingClient:
             raise ValueError(f"sample: {len(sequence_ids)} sequence ids for {n} samples")
         record = self.record_stability_info if record_stability_info is None else bool(record_stability_info)
         serving = getattr(self.service, "serving", None)
-        submit = serving.submit if serving is not None and self.use_cache else self._exec.submit
+        submit = serving.submit if serving is not None and self.use_cache and not self.remote else self._exec.submit
         return submit(self._sample, prompt.to_ints(), n, sampling_params, self.next_seed(sampling_params),
                       include_prompt_logprobs, None, int(topk_sample_logprobs), list(sequence_ids), owner, record,
                       int(topk_prompt_logprobs), on_tokens)
@@ -153,6 +179,12 @@ class SamplingClient:
     def _prompt_logprobs(self, ids: list[int], topk: int = 0):
         """log p(token_t | tokens_<t) per prompt token (None first); with `topk` also each position's k most
         likely (token, log-prob) of the model's distribution (None first) -> (logprobs, topk rows)."""
+        self._check_prompt(ids)
+        with self._model() as model:
+            return prompt_logprobs(model, ids, topk)
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        """Raise naming the field when a prompt to score is empty, outside the vocabulary or too long."""
         if not ids:
             raise ValueError("compute_logprobs: empty prompt")
         text = self.service.base.cfg.text
@@ -160,14 +192,6 @@ class SamplingClient:
         if len(ids) > text.max_position_embeddings:  # a longer prompt runs until allocation fails
             raise ValueError(f"compute_logprobs: prompt: {len(ids)} tokens, more than the model's context of "
                              f"{text.max_position_embeddings} tokens")
-        with self._model() as model, torch.no_grad():
-            logp = next_token_logprobs(model, torch.tensor(ids))[:-1]  # [L-1,V]: position t predicts token t+1
-        lp = logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
-        if not topk:
-            return [None] + lp.tolist()
-        top = logp.topk(min(topk, logp.shape[-1]), dim=-1)
-        rows = [[(int(i), float(v)) for i, v in zip(ti, tv)] for ti, tv in zip(top.indices, top.values)]
-        return [None] + lp.tolist(), [None] + rows
 
     def _sample(self, ids: list[int], n: int, params: SamplingParams, seed: int, prompt_lp: bool,
                 prefill=None, topk: int = 0, sequence_ids: list[str] | None = None,
@@ -206,11 +230,9 @@ class SamplingClient:
                     return bound.enter_context(self._model())
                 return None
 
-            out = generate(bound.enter_context(self._model()), [row] * n, max_new_tokens=max_tokens, eos_id=None,
-                           pad_id=self.service.base.cfg.pad_token_id, sampling=sampling,
-                           generator=torch.Generator().manual_seed(seed), use_cache=self.use_cache, stop=stops,
-                           topk=topk, share_prefixes=False, prefilled=first, before_step=between_steps,
-                           after_step=on_tokens)
+            out = sample_rows(bound.enter_context(self._model()), ids, n, params, seed, stops, topk,
+                              self.service.base.cfg.pad_token_id, max_tokens, use_cache=self.use_cache,
+                              prefilled=first, before_step=between_steps, after_step=on_tokens)
         return self._response(ids, n, out, sequence_ids, record_for, stability, topk_prompt, prompt_lp, figure)
 
     def _with_creation_load(self, figure):

@@ -57,8 +57,28 @@ def target_logprobs(model, data: list[Datum]) -> list[torch.Tensor]:
     return [logp[i, : len(r)] for i, r in enumerate(rows)]
 
 
+def datum_losses(loss_fn: str, loss_fn_config: dict | None, logps: list[torch.Tensor], data: list[Datum],
+                 provenance: list) -> list[torch.Tensor]:
+    """One built-in loss per datum from its target log-probs (the one place a request's inputs meet the losses)."""
+    return [losses.datum_loss(loss_fn, lp, {k: v.to_torch() for k, v in d.loss_fn_inputs.items()}, loss_fn_config,
+                              prov) for lp, d, prov in zip(logps, data, provenance)]
+
+
+def call_custom_loss(loss_fn, data: list[Datum], logps: list[torch.Tensor]):
+    """`loss_fn(data, logps)` -> (scalar loss with a gradient, metrics); TypeError/ValueError on a bad return."""
+    returned = loss_fn(data, logps)
+    if not (isinstance(returned, tuple) and len(returned) == 2):
+        raise TypeError("forward_backward_custom: loss_fn must return (loss, metrics)")
+    loss, metrics = returned
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+        raise ValueError("forward_backward_custom: the loss must be a scalar tensor computed from the logprobs")
+    return loss, metrics
+
+
 class TrainingClient:
     """One LoRA training run on the resident base; every call returns an `APIFuture`, run in submission order."""
+
+    resource = "base"  # what its compute occupies: the server's scheduler for it grants the turns
 
     def __init__(self, service, run_id: str, placement, adapter: dict[str, torch.nn.Parameter]) -> None:
         self.service, self.run_id, self.placement = service, run_id, placement
@@ -161,6 +181,9 @@ class TrainingClient:
         self._exec.gate = lambda fn: (contextlib.nullcontext() if fn in off_base
                                       else scheduler.turn(policy, "update", tenant))
 
+    def release(self) -> None:
+        """The run leaves memory (its session finished); its checkpoints stay in the store."""
+
     def run_ordered(self, fn, *args) -> APIFuture:
         """`fn(self, *args)` on this client's worker, in submission order with its other calls (extensions)."""
         return self._exec.submit(fn, self, *args)
@@ -215,28 +238,42 @@ class TrainingClient:
 
     # ---- work (on this client's worker thread) ----
     def _snapshot_sampler(self):
-        snapshot = {k: p.detach().clone() for k, p in self.adapter.items()}
-        return self.service._sampling_client(self.placement, snapshot, f"{self.run_id}/live-{self.step}")
+        snapshot, _ = self._trainer_state(with_optimizer=False)
+        return self.service._sampling_client(self.placement, snapshot, f"{self.run_id}/live-{self.step}",
+                                             policy=self.run_id, step=self.step)
 
     def _forward_backward(self, data, loss_fn, loss_fn_config, backward: bool, owner: str) -> ForwardBackwardOutput:
         provenance = self.check_request(data, loss_fn, loss_fn_config, owner)
-        base = self.service.base
-        with base.bind(self.placement, self.adapter) as model, torch.set_grad_enabled(backward):
-            logps = target_logprobs(model, data)
-            per = [losses.datum_loss(loss_fn, lp, {k: v.to_torch() for k, v in d.loss_fn_inputs.items()},
-                                     loss_fn_config, prov) for lp, d, prov in zip(logps, data, provenance)]
-            total = torch.stack(per).sum()
-            if backward:
-                self._accumulate_gradients(total, f"forward_backward({loss_fn!r})")
-            elif not torch.isfinite(total):
-                raise NonFiniteError(f"forward({loss_fn!r}): the loss is {float(total)}")
+        logps, per, total = self._run_loss(data, loss_fn, loss_fn_config, provenance, backward)
         outputs = [{"logprobs": TensorData.from_torch(lp.detach()), "loss": TensorData.from_torch(l.detach().reshape(1))}
                    for lp, l in zip(logps, per)]
         return ForwardBackwardOutput(loss_fn, outputs, {"loss:sum": float(total.detach())})
 
+    def _run_loss(self, data, loss_fn, loss_fn_config, provenance, backward: bool):
+        """(target log-probs, per-datum losses, their sum) of a checked request; with `backward`, the gradients of
+        the sum are accumulated (the trainer backend's part: here the resident base in this process)."""
+        base = self.service.base
+        with base.bind(self.placement, self.adapter) as model, torch.set_grad_enabled(backward):
+            logps = target_logprobs(model, data)
+            per, total = self._losses(logps, data, loss_fn, loss_fn_config, provenance, backward)
+        return logps, per, total
+
+    def _losses(self, logps, data, loss_fn, loss_fn_config, provenance, backward: bool):
+        """(per-datum losses, their sum) of the target log-probs; with `backward` the sum's gradients are kept
+        (`_keep_gradients`), else a non-finite sum is refused."""
+        per = datum_losses(loss_fn, loss_fn_config, logps, data, provenance)
+        total = torch.stack(per).sum()
+        if backward:
+            self._keep_gradients(total, f"forward_backward({loss_fn!r})")
+        elif not torch.isfinite(total):
+            raise NonFiniteError(f"forward({loss_fn!r}): the loss is {float(total)}")
+        return per, total
+
+    def _keep_gradients(self, loss: torch.Tensor, what: str) -> None:
+        """The trainer backend's gradient step of a checked loss (here: accumulate d loss / d adapter)."""
+        self._accumulate_gradients(loss, what)
+
     def _forward_backward_custom(self, data, loss_fn) -> ForwardBackwardOutput:
-        # Embedded, so the user's loss sees live log-probs and backprops through the model in one pass (Tinker
-        # does a forward, then a second forward_backward with the loss's gradient w.r.t. the log-probs).
         if not data:
             raise ValueError("forward_backward_custom: empty data list")
         self.check_context(data)
@@ -245,18 +282,20 @@ class TrainingClient:
             if "target_tokens" not in d.loss_fn_inputs:
                 raise KeyError(f"datum {i}: forward_backward_custom needs loss_fn_inputs['target_tokens']")
             losses.check_datum(i, d, vocab, ["target_tokens"])  # the other inputs are the custom loss's own
-        with self.service.base.bind(self.placement, self.adapter) as model, torch.enable_grad():
-            logps = target_logprobs(model, data)
-            returned = loss_fn(data, logps)
-            if not (isinstance(returned, tuple) and len(returned) == 2):
-                raise TypeError("forward_backward_custom: loss_fn must return (loss, metrics)")
-            loss, metrics = returned
-            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
-                raise ValueError("forward_backward_custom: the loss must be a scalar tensor computed from the logprobs")
-            self._accumulate_gradients(loss.reshape(()), "forward_backward_custom")
+        logps, loss, metrics = self._run_custom(data, loss_fn)
         outputs = [{"logprobs": TensorData.from_torch(lp.detach())} for lp in logps]
         return ForwardBackwardOutput("custom", outputs, {**{k: float(v) for k, v in (metrics or {}).items()},
                                                          "loss:sum": float(loss.detach())})
+
+    def _run_custom(self, data, loss_fn):
+        """(target log-probs, the custom loss, its metrics) with the loss's gradients accumulated."""
+        # Embedded, so the user's loss sees live log-probs and backprops through the model in one pass (Tinker
+        # does a forward, then a second forward_backward with the loss's gradient w.r.t. the log-probs).
+        with self.service.base.bind(self.placement, self.adapter) as model, torch.enable_grad():
+            logps = target_logprobs(model, data)
+            loss, metrics = call_custom_loss(loss_fn, data, logps)
+            self._accumulate_gradients(loss.reshape(()), "forward_backward_custom")
+        return logps, loss, metrics
 
     def _accumulate_gradients(self, loss: torch.Tensor, what: str) -> None:
         """Add d loss / d adapter to the accumulated gradients, or refuse (nothing added) if any is non-finite."""
@@ -316,11 +355,11 @@ class TrainingClient:
             self.service.expire_checkpoints()  # an expired name is free again
         if not overwrite and tag in store.catalog.tags(self.run_id):
             return response(path=path)  # idempotent save-by-name (Tinker's 409 -> same path)
-        tensors = {k: p.detach().clone() for k, p in self.adapter.items()}
+        tensors, optimizer_state = self._trainer_state(with_optimizer=kind == "weights")
         blob = None
         if kind == "weights":
             buf = io.BytesIO()
-            torch.save({"optimizer": self.optimizer.state_dict() if self.optimizer else None, "step": self.step}, buf)
+            torch.save({"optimizer": optimizer_state, "step": self.step}, buf)
             blob = buf.getvalue()
         with self.service.store_lock:
             store.publish(self.run_id, tensors, step=self.step, trainer_state=blob, tags=[tag],
@@ -328,23 +367,41 @@ class TrainingClient:
         self.service.checkpoints.set(path, ttl_seconds=ttl_seconds)  # also clears an older expiry on overwrite
         return response(path=path)
 
+    def _trainer_state(self, with_optimizer: bool):
+        """(a copy of the adapter tensors, the optimizer's `state_dict()` or None) as a checkpoint stores them."""
+        tensors = {k: p.detach().clone() for k, p in self.adapter.items()}
+        return tensors, (self.optimizer.state_dict() if with_optimizer and self.optimizer else None)
+
     def _load(self, path: str, with_optimizer: bool):
         tensors, state, _ = self.service._read_checkpoint(path, with_optimizer)
-        if set(tensors) != set(self.adapter):
+        if set(tensors) != set(self.adapter_shapes()):
             raise KeyError(f"{path}: adapter tensors do not match this run's placement "
                            f"({self.placement.preset!r}, rank {self.placement.rank})")
-        with torch.no_grad():
-            for k, p in self.adapter.items():
-                if tuple(tensors[k].shape) != tuple(p.shape):
-                    raise ValueError(f"{path}: tensor {k} has shape {list(tensors[k].shape)}, expected {list(p.shape)}")
-                p.copy_(tensors[k])
-                p.grad = None
-        self.optimizer = None
+        for k, shape in self.adapter_shapes().items():
+            if tuple(tensors[k].shape) != tuple(shape):
+                raise ValueError(f"{path}: tensor {k} has shape {list(tensors[k].shape)}, expected {list(shape)}")
+        optimizer = None
         if with_optimizer:
             if state is None or state.get("optimizer") is None:
                 raise ValueError(f"{path}: holds no optimizer state (saved with save_weights_for_sampler, or before "
                                  f"any optim_step)")
-            self.optimizer = torch.optim.AdamW(list(self.adapter.values()))
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.step = int(state["step"])
+            optimizer = state["optimizer"]
+        self._apply_state(tensors, optimizer, int(state["step"]) if optimizer is not None else None)
         return _tinker_types().LoadWeightsResponse(path=path)
+
+    def adapter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Canonical adapter key -> shape of this run's placement."""
+        return {k: tuple(p.shape) for k, p in self.adapter.items()}
+
+    def _apply_state(self, tensors: dict[str, torch.Tensor], optimizer: dict | None, step: int | None) -> None:
+        """Make checked checkpoint tensors the adapter; with an optimizer `state_dict` also the moments and step
+        (without one the moments start fresh and the step count stays)."""
+        with torch.no_grad():
+            for k, p in self.adapter.items():
+                p.copy_(tensors[k])
+                p.grad = None
+        self.optimizer = None
+        if optimizer is not None:
+            self.optimizer = torch.optim.AdamW(list(self.adapter.values()))
+            self.optimizer.load_state_dict(optimizer)
+            self.step = step

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from dsv4flash.lifecycle.errors import PolicyNotFoundError
 from dsv4flash.lifecycle.refs import ModelId, ParsedCheckpointTinkerPath, run_id_of, session_of
 from dsv4flash.service.compute.scheduler import PhaseScheduler
+from dsv4flash.service.plane.admission import AdmissionError
 from dsv4flash.service.plane.operations import OperationTable
 from dsv4flash.service.plane.owners import RunOwners
 
@@ -104,6 +105,11 @@ class PolicyServer:
         # every tenant takes one turn on the resident base, sampling (rollouts) before training (updates).
         # Without it (phase_scheduler=False) calls meet only at the base lock, in arrival order.
         self.scheduler = PhaseScheduler() if phase_scheduler else None
+        # One scheduler per compute resource: the resident base here (`scheduler`), the Megatron trainer group, the
+        # sampler replicas. A call takes a turn on the resource it runs on, so one policy's rollouts on the samplers
+        # overlap another's forward_backward on the trainers, while calls on one resource stay fair across tenants.
+        self.schedulers = ({"base": self.scheduler, "trainer": PhaseScheduler(), "samplers": PhaseScheduler()}
+                           if phase_scheduler else {})
 
     # ---- sessions ----
     def create_session(self, tenant: str, user_metadata: dict | None) -> str:
@@ -146,7 +152,7 @@ class PolicyServer:
         self.session(tenant, session_id).finished = True
         with self._lock:
             for run in [r for r in self._models if r.startswith(f"{session_id}-train-")]:
-                del self._models[run]
+                self._models.pop(run).release()
             for sid in [k for k, v in self._samplers.items() if v.session_id == session_id]:
                 del self._samplers[sid]
 
@@ -236,11 +242,11 @@ class PolicyServer:
         if (user_metadata or {}).get(PRESET_KEY) is not None:
             lora["preset"] = str(user_metadata[PRESET_KEY])
         try:
-            self.service.placement(**lora)
+            self.service.admit(self.service.placement(**lora))  # a policy the trainer cannot hold: 400 now
         except ValueError as exc:
             name, _, why = str(exc).partition(": ")
             raise BadRequest(f"{_PLACEMENT_FIELDS[name]}: {why}" if name in _PLACEMENT_FIELDS
-                             else f"lora_config: {exc}") from exc
+                             else str(exc) if name == "base" else f"lora_config: {exc}") from exc
         request = ("create_model", base_model, dict(lora), dict(user_metadata or {}))
         return self._create_once(tenant, session_id, model_seq_id, request, lambda model_id: self._new_model(
             tenant, model_id, base_model, lora, user_metadata))
@@ -249,6 +255,11 @@ class PolicyServer:
                                 with_optimizer: bool, user_metadata: dict | None) -> concurrent.futures.Future:
         """A new run loaded from a readable checkpoint (a retry gets the same) -> future (path, model id)."""
         self.require_readable(tenant, path)
+        try:
+            self.service.admit_checkpoint(path)  # another base, or a placement the trainer cannot hold: 400 now
+        except AdmissionError as exc:
+            name, _, why = str(exc).partition(": ")
+            raise BadRequest(f"{_PLACEMENT_FIELDS.get(name, name)}: {why}") from exc
         request = ("load_weights", path, bool(with_optimizer), dict(user_metadata or {}))
         return self._create_once(tenant, session_id, model_seq_id, request, lambda model_id: self._model_from_state(
             tenant, model_id, path, with_optimizer, user_metadata))
@@ -441,8 +452,8 @@ class PolicyServer:
         return True
 
     def _schedule(self, client, policy: str, tenant: str) -> None:
-        if self.scheduler is not None:
-            client.schedule_with(self.scheduler, policy, tenant)
+        if self.schedulers:
+            client.schedule_with(self.schedulers[client.resource], policy, tenant)
 
     def close(self) -> None:
         """Stop the worker pool (queued core work still finishes on its own threads)."""

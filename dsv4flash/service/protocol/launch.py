@@ -16,9 +16,11 @@ class ServerProcess:
     """A running `dsv4flash serve` child: `url`, `proc`, and the log file it writes (next to the store)."""
 
     def __init__(self, store: Path, keys: Path | None, *, env: dict | None = None, args: tuple = (),
-                 poll_s: float = 1.0, base: str = "random-tiny") -> None:
+                 poll_s: float = 1.0, base: str = "random-tiny", start_timeout_s: float | None = None) -> None:
         """`keys=None`: no `--keys` (the server uses, and on first start fills, `<store>/service/keys`). `base`: the
-        server's `--base`; by default the seeded tiny base, the same compute as the trained one without building it."""
+        server's `--base`; by default the seeded tiny base, the same compute as the trained one without building it.
+        `start_timeout_s`: how long it may take to listen (default 120 s, 1800 s for a trained base that may be
+        built first)."""
         self.store, self.keys = Path(store), (Path(keys) if keys is not None else None)
         self.port_file = self.store.parent / f"{self.store.name}.port"
         self.port_file.unlink(missing_ok=True)
@@ -30,7 +32,9 @@ class ServerProcess:
              str(self.store), *(["--keys", str(self.keys)] if keys is not None else []), "--port-file",
              str(self.port_file), "--poll-s", str(poll_s), "--base", base, *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env_all)
-        deadline = time.time() + (120 if base.startswith("random-") else 1800)  # a trained base may be built first
+        if start_timeout_s is None:
+            start_timeout_s = 120 if base.startswith("random-") else 1800  # a trained base may be built first
+        deadline = time.time() + start_timeout_s
         while not self.port_file.exists():
             if self.proc.poll() is not None or time.time() > deadline:
                 self.stop()
@@ -43,9 +47,9 @@ class ServerProcess:
                     break
             except httpx.HTTPError:
                 pass
-            if time.time() > deadline:
+            if self.proc.poll() is not None or time.time() > deadline:
                 self.stop()
-                raise RuntimeError(f"server never became healthy:\n{self.log()}")
+                raise RuntimeError(f"server never became healthy (rc {self.proc.returncode}):\n{self.log()}")
             time.sleep(0.1)
 
     def log(self) -> str:

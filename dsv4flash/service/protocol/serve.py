@@ -88,6 +88,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-mode", default="exact", choices=["exact", "fast"],
                         help="exact: each request's tokens bit-equal to it served alone (default); fast: the "
                              "batch-dependent ops batched too, equal to fp32 rounding (docs/serving.md, Batching)")
+    parser.add_argument("--trainer", default="local", help="what trains: local (the resident base in this process, "
+                        "default) or megatron (a veRL Megatron worker group on Ray; docs/service.md, The compute "
+                        "plane)")
+    parser.add_argument("--sampler", default="local", help="what samples: local (default), dsv4flash (the project's "
+                        "rollout replicas on Ray) or vllm (vLLM replicas on GPUs)")
+    parser.add_argument("--ray-address", default="local", help="local (a Ray cluster of this server on 127.0.0.1, "
+                        "default), auto (the cluster `ray start` made here) or HOST:PORT of a cluster's head")
+    parser.add_argument("--trainer-layout", default="", help="Megatron parallel sizes of the trainer group, e.g. "
+                        "ep=2 or ep=16,cp=2 (keys tp, ep, cp, pp, dp; default all 1)")
+    parser.add_argument("--workers", default=None, help="ranks of the trainer group (default: the least the layout "
+                        "needs)")
+    parser.add_argument("--trainer-placement", default="decoder_half", help="LoRA placement shell of the trainer "
+                        "group: every admitted policy's modules lie inside it (default decoder_half, plus the head)")
+    parser.add_argument("--trainer-max-rank", default="16", help="LoRA rank of the shell: the largest rank a policy "
+                        "may have (default 16)")
+    parser.add_argument("--sampler-replicas", default="1", help="sampler replicas with --sampler dsv4flash|vllm "
+                        "(default 1)")
+    parser.add_argument("--sampler-max-adapters", default="8", help="adapters a sampler replica keeps loaded (LRU; "
+                        "an evicted one is reloaded from the store; default 8)")
+    parser.add_argument("--sampler-model", default=None, help="with --sampler vllm: the release-layout checkpoint of "
+                        "the served base, which vLLM loads")
     parser.add_argument("--poll-s", type=float, default=5.0, help="long-poll time of retrieve_future in seconds")
     parser.add_argument("--port-file", type=Path, default=None, help="write the bound port here once listening")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
@@ -126,6 +147,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsv4flash serve: --call-timeout-s: expected a positive number of seconds, got {args.call_timeout_s}",
               file=sys.stderr)
         return 2
+    try:
+        plane = compute_plane(args)
+    except ValueError as exc:
+        print(f"dsv4flash serve: {exc}", file=sys.stderr)
+        return 2
     from dsv4flash.engine.device import resolve_compute
 
     try:  # a misspelt device, or cuda where torch sees none: refused before anything is built or written
@@ -161,17 +187,56 @@ def run(args: argparse.Namespace) -> int:
                  max_body=int(args.max_request_mb * (1 << 20)), max_pending=args.max_pending, poll_s=args.poll_s,
                  max_samplers=args.max_samplers, session_timeout_s=args.session_timeout_s,
                  port_file=args.port_file, log_level=args.log_level, scheduler=args.scheduler,
-                 call_timeout_s=args.call_timeout_s,
+                 call_timeout_s=args.call_timeout_s, plane=plane,
                  serving={"max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras,
                           "max_queue": args.max_slot_queue, "loader_workers": args.loader_workers,
                           "exact": args.batch_mode == "exact"})
+
+
+def compute_plane(args: argparse.Namespace):
+    """The `ComputePlane` of the flags (ValueError naming the flag), checked before anything is built."""
+    from dsv4flash.service.compute.megatron.layout import ComputePlane, TrainerLayout
+
+    def integer(flag: str, value) -> int | None:
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{flag}: expected a positive integer, got {value!r}") from None
+
+    plane = ComputePlane(trainer=args.trainer, sampler=args.sampler, ray_address=args.ray_address,
+                         layout=TrainerLayout.parse(args.trainer_layout), workers=integer("--workers", args.workers),
+                         placement=args.trainer_placement,
+                         max_rank=integer("--trainer-max-rank", args.trainer_max_rank),
+                         replicas=integer("--sampler-replicas", args.sampler_replicas),
+                         max_adapters=integer("--sampler-max-adapters", args.sampler_max_adapters),
+                         sampler_model=args.sampler_model)
+    if plane.trainer != "megatron":
+        for flag, value, default in (("--trainer-layout", args.trainer_layout, ""), ("--workers", args.workers, None)):
+            if value != default:
+                raise ValueError(f"{flag}: sizes the Megatron trainer group; it needs --trainer megatron")
+    from dsv4flash.lora.config import LoraConfig
+
+    try:
+        LoraConfig(preset=plane.placement, rank=plane.max_rank)
+    except ValueError as exc:
+        raise ValueError(f"--trainer-placement {plane.placement}: {exc}") from None
+    if plane.sampler == "vllm":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--sampler vllm: vLLM replicas need CUDA GPUs and torch sees none here (use --sampler "
+                             "dsv4flash on a CPU machine)")
+    return plane
 
 
 def serve(store: Path | str, keys, *, state_dir: Path | None = None, device: str = "auto", dtype: str = "auto",
           base_name: str = "tiny", base_dir=None, trained: bool = False, host: str = "127.0.0.1", port: int = 8000,
           max_body: int = 64 << 20, max_pending: int = 64, poll_s: float = 5.0, port_file: Path | None = None,
           log_level: str = "warning", max_samplers: int = 32, session_timeout_s: float = 600.0,
-          scheduler: str = "phase", call_timeout_s: float | None = 300.0, serving: dict | None = None) -> int:
+          scheduler: str = "phase", call_timeout_s: float | None = 300.0, serving: dict | None = None,
+          plane=None) -> int:
     """Build the service core and its HTTP front, bind, and run uvicorn until stopped; `trained`: the base is the
     project's trained `base_name` base (dsv4flash/train/base_cache.py), built first when it is not cached; `store` is
     a directory or an s3:// URL, `state_dir` the local directory for the server's own files (default: beside the
@@ -206,7 +271,9 @@ def serve(store: Path | str, keys, *, state_dir: Path | None = None, device: str
         base_dir = trained_base(base_name, log=lambda line: print(f"dsv4flash serve: {line}", file=sys.stderr,
                                                                   flush=True))
     try:
-        service = ServiceClient(base_name, root=store, base_dir=base_dir, state_dir=state, device=device, dtype=dtype)
+        service = ServiceClient(base_name, root=store, base_dir=base_dir, state_dir=state, device=device, dtype=dtype,
+                                plane=plane, log=lambda line: print(f"dsv4flash serve: {line}", file=sys.stderr,
+                                                                    flush=True))
     except LifecycleError as exc:  # an s3:// store never created, an unreachable bucket, an unreadable catalog
         print(f"dsv4flash serve: {exc}", file=sys.stderr)
         return 2
@@ -229,8 +296,10 @@ def serve(store: Path | str, keys, *, state_dir: Path | None = None, device: str
     bound = sock.getsockname()[1]
     if port_file is not None:
         write_bytes_atomic(port_file, f"{bound}\n".encode())
+    trainer = ("" if service.trainer_group is None else
+               f", trainer megatron {service.trainer_group.world} ranks ({service.plane.layout.describe()})")
     print(f"dsv4flash serve: http://{host}:{bound} (store {store}, base {base_name} on "
-          f"{service.base.compute.describe()}, {len(keys.tenants())} tenant(s))", file=sys.stderr, flush=True)
+          f"{service.base.compute.describe()}{trainer}, {len(keys.tenants())} tenant(s))", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
     return 0

@@ -29,7 +29,13 @@ def _serving(request: Request):
 
 async def metrics(request: Request) -> Response:
     tenant_of(request)
-    return PlainTextResponse(_serving(request).metrics(), media_type=PROMETHEUS_TEXT)
+    text = _serving(request).metrics()
+    service = plane_of(request).service
+    if service.trainer_group is not None:  # the Megatron trainer group's swaps, commits and memory
+        text += await asyncio.to_thread(service.trainer_group.prometheus)
+    if service.replicas is not None:  # the sampler replicas' adapters
+        text += await asyncio.to_thread(service.replicas.prometheus)
+    return PlainTextResponse(text, media_type=PROMETHEUS_TEXT)
 
 
 def resolve_name(plane, tenant: str, name: str) -> str:
