@@ -91,12 +91,12 @@ def run(args: argparse.Namespace) -> BenchReport:
     from dsv4flash.train.compose import compose, to_train_config
 
     overrides = list(args.overrides) + ([f"engine.steps={args.steps}"] if args.steps else [])
-    # measured runs, not adapters anyone asked for: nothing is published into the user's store
-    trained_cfg = to_train_config(compose(RECIPE, [*overrides, "lifecycle.publish=false"]))
+    # run_local without on_save: the bench's runs publish nothing into the user's store
+    trained_cfg = to_train_config(compose(RECIPE, overrides))
     steps = trained_cfg.engine.steps
     # the frozen run evaluates only at the start and the end, and only the loss (its reward rows are what counts)
-    frozen_cfg = to_train_config(compose(RECIPE, [*overrides, "lifecycle.publish=false", "engine.lr=0",
-                                                  f"engine.eval_every={steps}", "engine.eval_generate=false"]))
+    frozen_cfg = to_train_config(compose(RECIPE, [*overrides, "engine.lr=0", f"engine.eval_every={steps}",
+                                                  "engine.eval_generate=false"]))
     base = ensure_base(trained_cfg)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_grpo_reward_"))
     try:
