@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "service_http": "dsv4flash serve via the tinker SDK vs in-process: fwd+bwd+optim and sample p50/p99, 3 concurrent GRPO clients vs sequential",
     "verl_step": "veRL GRPO step on CPU split into rollout / weight sync / replay / update / publish vs the embedded engine's GRPO step",
     "main": "the README's main job, fresh and cached base: wall time, base build / training / evaluation, tok/s, CLI error latency",
+    "grpo_reward": "the README's GRPO example: reward per step beside the frozen base's on the same problems, thirds, MET/MISS rising and learned",
     "serving": "continuous batching over 1/8/64/1000 adapters (uniform, Zipf) vs one adapter and the base: tok/s, TTFT p50/p99; cold-load staircase serial/pipelined/prewarmed, MET/MISS",
     "service": "policy service: shared-encoder multi-adapter scoring (N=1..8) and decode steps, concurrent vs sequential GRPO makespan/busy/idle/peak RSS",
 }

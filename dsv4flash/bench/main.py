@@ -48,6 +48,8 @@ def _overrides(args: argparse.Namespace, cache: Path, out: Path) -> list[str]:
 
 def _train(overrides: list[str]) -> tuple[float, str]:
     """Run the main command; -> (wall seconds, stdout)."""
+    # the child's output is parsed, not shown: one line says which run the next minutes belong to
+    print(f"main: python -m dsv4flash.train {' '.join(overrides)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "dsv4flash.train", *overrides], capture_output=True, text=True,
                           env=dict(os.environ, TORCHDYNAMO_DISABLE="1"))

@@ -20,7 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "census": ("dsv4flash.cli.census", "print or check the release tensor census of a config"),
     "convert": ("dsv4flash_bridge.cli", "convert checkpoints between the release layout and BF16/FP32"),
     "patches": ("dsv4flash.cli.patches", "list, check, apply and audit the upstream patch series"),
-    "lifecycle": ("dsv4flash.lifecycle.cli", "adapter store: list policies, show/log revisions, tag, rollback, gc, export"),
+    "lifecycle": ("dsv4flash.lifecycle.cli", "adapter store: init, list policies, show/log revisions, tag, rollback, "
+                                             "gc, export, import"),
     "smoke": ("dsv4flash.cli.smoke", "tiny multimodal forward+backward and the flash census (a quick install check)"),
     "serve": ("dsv4flash.service.protocol.serve", "Tinker-protocol HTTP server over the policy service; `keys add`"),
 }

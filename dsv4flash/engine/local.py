@@ -170,7 +170,7 @@ def run_local(cfg: Any, output_dir: str | Path, *, base_dir: str | Path | None =
         raise ValueError("nothing to train: the LoRA placement selected no module and lora.enabled is true")
 
     tasks = {name: build_task(name, **dict(cfg.data.task_options.get(name, {}) or {})) for name in cfg.data.tasks}
-    mixture = TaskMixture(tasks, dict(cfg.data.tasks), cfg.seed, cfg.data.val_size)
+    mixture = TaskMixture(tasks, dict(cfg.data.tasks), cfg.seed, cfg.data.val_size, cfg.data.train_size)
     encoder = Encoder(tokenizer, mcfg)
     # Batches, samplers and losses hold CPU tensors; on another device only the model's calls cross over.
     infer_forward = on_device(model, compute.device)

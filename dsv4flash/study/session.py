@@ -80,5 +80,5 @@ def open_session(overrides: Sequence[str] = (), seed: int | None = None, log=pri
     mcfg = load_config(cfg.model.flavour)
     tokenizer = TaskTokenizer.load(base_dir, mcfg) if base_dir is not None else TaskTokenizer(mcfg)
     tasks = {n: build_task(n, **dict(cfg.data.task_options.get(n, {}) or {})) for n in cfg.data.tasks}
-    mixture = TaskMixture(tasks, dict(cfg.data.tasks), cfg.seed, cfg.data.val_size)
+    mixture = TaskMixture(tasks, dict(cfg.data.tasks), cfg.seed, cfg.data.val_size, cfg.data.train_size)
     return Session(cfg, base_dir, Encoder(tokenizer, mcfg), mixture)

@@ -2,7 +2,9 @@
 
 Example `i` of the validation split and the training examples of step `s` are pure functions of the
 seed, so a resumed run sees exactly the batches it would have seen; training draws that collide with a
-validation problem are redrawn (like the study's removal of images shared between splits).
+validation problem are redrawn (like the study's removal of images shared between splits). Training draws
+fresh problems every step, or with `train_size` cycles over a fixed set of that many (the first problems of
+the same stream, which are also the rows of the veRL export), in a new seeded order each epoch.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ from dsv4flash.config import DSV41FlashConfig
 from dsv4flash.tasks.base import Example, Task
 from dsv4flash.tasks.tokenizer import TaskTokenizer
 
-_VAL_STREAM, _TRAIN_STREAM, _AUX_STREAM = 1, 2, 3
+_VAL_STREAM, _TRAIN_STREAM, _AUX_STREAM, _EPOCH_STREAM = 1, 2, 3, 4
+_CHUNK = 256  # problems drawn per stream step when a finite training set is built
 
 
 class TaskMixture:
-    """Weighted mixture of tasks with a fixed validation split and a per-step training stream."""
+    """Weighted mixture of tasks with a fixed validation split and a per-step training stream (`train_size`: a fixed
+    training set of that many problems instead)."""
 
-    def __init__(self, tasks: dict[str, Task], weights: dict[str, float], seed: int, val_size: int) -> None:
+    def __init__(self, tasks: dict[str, Task], weights: dict[str, float], seed: int, val_size: int,
+                 train_size: int | None = None) -> None:
         if not tasks:
             raise ValueError("task mixture: no tasks given")
         missing = set(weights) ^ set(tasks)
@@ -39,13 +44,40 @@ class TaskMixture:
         rng = np.random.default_rng([seed, _VAL_STREAM])
         self.val: list[tuple[str, Example]] = [self._draw(rng) for _ in range(val_size)]
         self._val_keys = {ex.key() for _, ex in self.val}
+        if train_size is not None and train_size < 1:
+            raise ValueError(f"data.train_size must be a positive number of problems or null, got {train_size}")
+        self.train_size = train_size
+        self._train_set: list[tuple[str, Example]] | None = None
 
     def _draw(self, rng: np.random.Generator) -> tuple[str, Example]:
         name = self.names[int(rng.choice(len(self.names), p=self.probs))]
         return name, self.tasks[name].sample(rng)
 
     def train_batch(self, step: int, batch_size: int) -> list[tuple[str, Example]]:
-        """The training examples of one step (never a validation problem)."""
+        """The training examples of one step (never a validation problem): fresh draws, or with `train_size` the
+        next `batch_size` problems of the fixed set, read in a new seeded order each epoch."""
+        if self.train_size is None:
+            return self._draw_batch(step, batch_size)
+        if self._train_set is None:
+            self._train_set = self.train_problems(self.train_size)
+        n, first = self.train_size, step * batch_size
+        out = []
+        for epoch in range(first // n, (first + batch_size - 1) // n + 1):
+            order = np.random.default_rng([self.seed, _EPOCH_STREAM, epoch]).permutation(n)
+            lo, hi = max(first, epoch * n), min(first + batch_size, (epoch + 1) * n)
+            out += [self._train_set[int(order[pos - epoch * n])] for pos in range(lo, hi)]
+        return out
+
+    def train_problems(self, count: int) -> list[tuple[str, Example]]:
+        """The first `count` problems of the training stream: the finite training set of that size."""
+        out: list[tuple[str, Example]] = []
+        step = 0
+        while len(out) < count:
+            out += self._draw_batch(step, min(_CHUNK, count - len(out)))
+            step += 1
+        return out
+
+    def _draw_batch(self, step: int, batch_size: int) -> list[tuple[str, Example]]:
         rng = np.random.default_rng([self.seed, _TRAIN_STREAM, step])
         out = []
         while len(out) < batch_size:

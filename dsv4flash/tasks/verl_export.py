@@ -45,20 +45,16 @@ def _row(name: str, ex: Example, split: str, index: int, options: dict[str, Any]
 
 
 def export_parquet(mixture: TaskMixture, directory: str | os.PathLike, *, train_size: int,
-                   task_options: dict[str, Any] | None = None, batch: int = 256) -> dict[str, Path]:
-    """Write `train.parquet` (train_size rows from the training stream) and `val.parquet` (the val split)."""
+                   task_options: dict[str, Any] | None = None) -> dict[str, Path]:
+    """Write `train.parquet` (the training set of train_size problems, `TaskMixture.train_problems`) and
+    `val.parquet` (the val split)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     options = dict(task_options or {})
-    train: list[dict[str, Any]] = []
-    step = 0
-    while len(train) < train_size:
-        for name, ex in mixture.train_batch(step, min(batch, train_size - len(train))):
-            train.append(_row(name, ex, "train", len(train), options))
-        step += 1
+    train = [_row(name, ex, "train", i, options) for i, (name, ex) in enumerate(mixture.train_problems(train_size))]
     val = [_row(name, ex, "val", i, options) for i, (name, ex) in enumerate(mixture.val)]
     out = {}
     for split, rows in (("train", train), ("val", val)):

@@ -23,6 +23,9 @@ def check_run(cfg: Any) -> None:
     if cfg.lora.enabled:
         check_lora(cfg.lora, mcfg)
     check_lifecycle(cfg)
+    if cfg.data.train_size is not None and cfg.data.train_size < 1:
+        raise RunConfigError(f"data.train_size={cfg.data.train_size}: expected a positive number of training problems, "
+                             "or null (new problems every step)")
     if cfg.engine.name == "verl":
         check_parallel_layout(cfg.engine, mcfg)
         check_context_parallel_data(cfg.engine, cfg.data)

@@ -50,8 +50,9 @@ class DataConf:
     # prompt/answer budget of a row when exported for veRL
     max_prompt_length: int = 64
     max_response_length: int = 16
-    # training problems written per epoch file when exported for veRL
-    verl_train_size: int = 4096
+    # training problems: null draws new ones every step (engine=local) and writes 4096 rows to veRL's training file;
+    # N trains on a fixed set of N problems, a new seeded order each epoch (engine=local), and is that file's size
+    train_size: Optional[int] = None
 
 
 @dataclass

@@ -18,6 +18,9 @@ from dsv4flash.train.verl_config import (MODEL_PATH_UNSET, RUN_DIR_KEYS, VerlCon
                                          pin_run_dir)
 
 CONFIG_NAME = "verl_ppo_trainer"
+# Rows of veRL's training file when data.train_size is null (the local engine then draws without end; veRL
+# reads a file, in epochs).
+VERL_TRAIN_ROWS = 4096
 
 
 def _gpus_visible() -> int:
@@ -165,9 +168,10 @@ def run_verl(cfg: Any, output_dir: str | Path, *, log=print) -> dict[str, Any]:
         raise
     tasks = {name: build_task(name, **dict(cfg.data.task_options.get(name, {}) or {})) for name in cfg.data.tasks}
     mixture = TaskMixture(tasks, dict(cfg.data.tasks), cfg.seed, cfg.data.val_size)
-    files = export_parquet(mixture, data_dir, train_size=cfg.data.verl_train_size,
+    train_size = VERL_TRAIN_ROWS if cfg.data.train_size is None else cfg.data.train_size
+    files = export_parquet(mixture, data_dir, train_size=train_size,
                            task_options=dict(cfg.data.task_options))
-    log(f"exported {cfg.data.verl_train_size} training and {len(mixture.val)} validation rows to {data_dir}")
+    log(f"exported {train_size} training and {len(mixture.val)} validation rows to {data_dir}")
     cfg_path, script = write_config(config, out)
     log(f"veRL config validated by verl's own validator and written to {cfg_path}")
     lora = config.actor_rollout_ref.model.lora

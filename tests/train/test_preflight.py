@@ -26,8 +26,9 @@ def _check(*overrides, recipe="decoder_lora"):
      r"lora\.include rule 'layers\.6\.attn\.wkv' selects only \['layers\.6\.attn\.wkv'\], which "
      r"lora\.freeze_kv_write=true keeps frozen .*allowed: .*lora\.freeze_kv_write=false"),
     (["lora.include=[layers.*.attn.indexer.wq_b]"], r"lora: .*indexer never gets LoRA"),
+    (["data.train_size=0"], r"data\.train_size=0: expected a positive number of training problems, or null"),
 ])
-def test_lora_errors_name_the_key(overrides, message):
+def test_lora_and_data_errors_name_the_key(overrides, message):
     for engine in ([], VERL):
         with pytest.raises(RunConfigError, match=message):
             _check(*overrides, *engine)

@@ -55,6 +55,17 @@ def test_decoder_lora_defaults():
     assert to_train_config(compose("decoder_lora", ["engine=verl", "algorithm=dpo"])).algorithm.name == "dpo"
 
 
+def test_the_grpo_example_samples_its_whole_training_set_every_step():
+    """decoder_lora_grpo (README, docs/recipes.md "The GRPO example"): GRPO on the embedded engine, decoder-half LoRA,
+    the veRL CPU recipe's task and graded reward, every problem of the fixed training set in every step."""
+    cfg = to_train_config(compose("decoder_lora_grpo"))
+    verl = to_train_config(compose("decoder_lora_verl_cpu"))
+    assert (cfg.algorithm.name, cfg.engine.name, cfg.lora.preset) == ("grpo", "local", "decoder_half")
+    assert (cfg.data.tasks, cfg.data.task_options) == (verl.data.tasks, verl.data.task_options)
+    assert cfg.data.task_options["arithmetic"]["partial_credit"] and cfg.model.base == "pretrain_tiny"
+    assert cfg.engine.batch_size == cfg.data.train_size * cfg.algorithm.group_size
+
+
 def test_recipe_files_hold_only_deltas():
     root = Path(config_path()) if not config_path().startswith("pkg://") else REPO / "recipes"
     for path in (root / "recipe").glob("*.yaml"):

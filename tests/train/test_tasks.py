@@ -93,6 +93,26 @@ def test_splits_are_disjoint_and_deterministic():
     assert [ex.key() for _, ex in a.train_batch(0, 8)] != [ex.key() for _, ex in a.train_batch(1, 8)]
 
 
+def test_a_finite_training_set_is_read_once_per_epoch_in_a_new_order():
+    """`data.train_size`: the first N problems of the training stream (the veRL export's rows), each once per epoch,
+    a new seeded order each epoch, batches across epoch ends; the same for the same seed; never a val problem."""
+    tasks = {n: build_task(n) for n in ("arithmetic", "geometry")}
+    weights = dict.fromkeys(tasks, 1.0)
+    mix = TaskMixture(tasks, weights, seed=3, val_size=16, train_size=6)
+    problems = [ex.key() for _, ex in mix.train_problems(6)]
+    assert problems == [ex.key() for _, ex in TaskMixture(tasks, weights, 3, 16).train_problems(300)[:6]]
+    assert problems == [ex.key() for _, ex in TaskMixture(tasks, weights, 3, 16).train_batch(0, 6)]  # stream's start
+    read = [ex.key() for step in range(5) for _, ex in mix.train_batch(step, 4)]  # 20 reads: 3 epochs and 2 more
+    epochs = [read[i:i + 6] for i in range(0, 18, 6)]
+    assert all(sorted(epoch) == sorted(problems) for epoch in epochs) and set(read[18:]) <= set(problems)
+    assert len({tuple(epoch) for epoch in epochs}) == 3  # reshuffled each epoch
+    again = TaskMixture(tasks, weights, seed=3, val_size=16, train_size=6)
+    assert [ex.key() for _, ex in again.train_batch(3, 4)] == read[12:16]  # a pure function of (seed, step)
+    assert not {ex.key() for _, ex in mix.val} & set(problems)
+    with pytest.raises(ValueError, match="data.train_size must be a positive number"):
+        TaskMixture(tasks, weights, seed=3, val_size=16, train_size=0)
+
+
 def test_encoder_scores_answer_tokens_and_expands_images():
     tok = TaskTokenizer(CFG)
     enc = Encoder(tok, CFG)

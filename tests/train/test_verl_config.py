@@ -129,7 +129,7 @@ def test_cli_engine_verl_on_cpu_stops_after_validation(tmp_path):
         pytest.skip("a GPU is visible: engine.launch=auto would launch")
     out = tmp_path / "run"
     # model.base=random: no trained base to default model.hf_path to, so the written files name no path here
-    run = _run("dsv4flash.train", "+recipe=decoder_lora", "engine=verl", "model.base=random", "data.verl_train_size=16",
+    run = _run("dsv4flash.train", "+recipe=decoder_lora", "engine=verl", "model.base=random", "data.train_size=16",
                "data.val_size=8", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "not launching veRL (no CUDA GPU is visible" in run.stdout and "validated" in run.stdout
@@ -175,19 +175,21 @@ def test_launch_needs_the_checkpoint_path(tmp_path):
     from dsv4flash.train.verl_engine import run_verl
 
     cfg = to_train_config(compose("decoder_lora", ["engine=verl", "model.base=random", "engine.launch=force",
-                                                   "data.verl_train_size=8", "data.val_size=4"]))
+                                                   "data.train_size=8", "data.val_size=4"]))
     with pytest.raises(VerlConfigError, match="model.hf_path"):
         run_verl(cfg, tmp_path, log=lambda *_: None)
 
 
 def test_the_cpu_recipe_defaults_to_the_trained_base_and_a_graded_reward(pretrained_base, tmp_path):
     """The README's veRL command names no base: model.hf_path is the trained tiny base the main job uses (found in
-    the cache, not rebuilt), and the arithmetic reward gives partial credit, so a near answer scores above 0."""
+    the cache, not rebuilt), and the arithmetic reward gives partial credit, so a near answer scores above 0. The
+    training file holds data.train_size rows: the fixed training set the local engine cycles over with that size."""
     import json
 
     import pyarrow.parquet as pq
     from omegaconf import OmegaConf
 
+    from dsv4flash.tasks import TaskMixture, build_task
     from dsv4flash.tasks.verl_reward import compute_score
     from dsv4flash.train.verl_engine import run_verl
 
@@ -197,7 +199,13 @@ def test_the_cpu_recipe_defaults_to_the_trained_base_and_a_graded_reward(pretrai
     result = run_verl(cfg, tmp_path / "run", log=lines.append)
     assert OmegaConf.load(result["config"]).actor_rollout_ref.model.path == str(pretrained_base)
     assert not any("building it" in line for line in lines), lines
-    row = pq.read_table(tmp_path / "run" / "verl_data" / "train.parquet").to_pylist()[0]
+    rows = pq.read_table(tmp_path / "run" / "verl_data" / "train.parquet").to_pylist()
+    local = TaskMixture({"arithmetic": build_task("arithmetic")}, {"arithmetic": 1.0}, cfg.seed, cfg.data.val_size,
+                        cfg.data.train_size)
+    written = [(r["extra_info"]["prompt_text"], r["reward_model"]["ground_truth"]) for r in rows]
+    assert cfg.data.train_size == 8 and written == [(ex.prompt, ex.answer) for _, ex in local.train_problems(8)]
+    assert sorted(written) == sorted((ex.prompt, ex.answer) for _, ex in local.train_batch(0, 8))  # its 1st epoch
+    row = rows[0]
     truth = row["reward_model"]["ground_truth"]
     assert json.loads(row["extra_info"]["task_options"]) == {"partial_credit": True}
     assert compute_score(row["data_source"], truth, truth, row["extra_info"]) == 1.0
@@ -218,7 +226,7 @@ def test_a_dsv4flash_base_gets_its_task_tokenizer_in_hf_form(tmp_path):
     mcfg = load_config("tiny")
     base = save_base(Transformer(mcfg, seed=0), mcfg, TaskTokenizer(mcfg), tmp_path / "base", {"kind": "test"})
     cfg = to_train_config(compose("decoder_lora", ["engine=verl", "engine.launch=never", f"model.hf_path={base}",
-                                                   "data.verl_train_size=8", "data.val_size=4"]))
+                                                   "data.train_size=8", "data.val_size=4"]))
     out = tmp_path / "run"
     result = run_verl(cfg, out, log=lambda *_: None)
     written = OmegaConf.load(result["config"])
@@ -312,7 +320,7 @@ def test_cluster_recipe_writes_the_studys_layout_with_no_local_path(tmp_path):
     hf_path = "/cluster/DeepSeek-V4.1-Flash"
     out = tmp_path / "run"
     run = _run("dsv4flash.train", "+recipe=decoder_lora_cluster", f"model.hf_path={hf_path}",
-               "data.verl_train_size=16", "data.val_size=8", f"output_dir={out}",
+               "data.train_size=16", "data.val_size=8", f"output_dir={out}",
                f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "not launching veRL (no CUDA GPU is visible" in run.stdout or torch_gpus() > 0
