@@ -1,9 +1,11 @@
-"""Helpers for the HTTP tests: API keys of three tenants, a running `dsv4flash serve`, SDK clients on it."""
+"""Helpers for the HTTP tests: API keys of three tenants, a running `dsv4flash serve`, SDK clients on it, RL data."""
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+
+import numpy as np
 
 from dsv4flash.service.protocol.launch import ServerProcess as Server
 
@@ -85,3 +87,20 @@ def peft_prompt_logprobs(base_dir: Path, adapter_dir: Path, tokens: list[int]) -
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=torch.tensor([tokens])).logits[0].float(), -1)
     return [float(logp[i - 1, t]) for i, t in enumerate(tokens) if i > 0]
+
+
+def rl_batch(types, sampled, prompt: list[int]):
+    """Cookbook RL data of `types` (the SDK's or the core's): reward = share of even tokens, A = r - group mean,
+    targets = the sampled tokens; -> (data, mean reward)."""
+    rewards = np.array([np.mean([t % 2 == 0 for t in s.tokens]) for s in sampled])
+    adv = rewards - rewards.mean()
+    data = []
+    for s, a in zip(sampled, adv):
+        tokens = prompt + list(s.tokens)
+        n_prompt = len(prompt) - 1
+        logprobs = np.array([0.0] * n_prompt + list(s.logprobs), dtype=np.float32)
+        advantages = np.array([0.0] * n_prompt + [a] * len(s.tokens), dtype=np.float32)
+        data.append(types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                                loss_fn_inputs=dict(target_tokens=np.array(tokens[1:], dtype=np.int64),
+                                                    logprobs=logprobs, advantages=advantages)))
+    return data, float(rewards.mean())

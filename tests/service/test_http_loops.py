@@ -9,6 +9,7 @@ import tinker
 from tinker import types
 
 import dsv4flash.service as core
+from tests.service.http_server import rl_batch
 
 
 def _sl_datum(mod, tokens, prompt_len):
@@ -53,22 +54,6 @@ def test_supervised_loop_matches_in_process_core(sdk, resident, tmp_path):
     assert all(len(s.logprobs) == len(s.tokens) for s in resp.sequences)
 
 
-def _rl_batch(mod, sampled, prompt):
-    """Cookbook RL data: reward = share of even tokens, A = r − group mean, targets = the sampled tokens."""
-    rewards = np.array([np.mean([t % 2 == 0 for t in s.tokens]) for s in sampled])
-    adv = rewards - rewards.mean()
-    data = []
-    for s, a in zip(sampled, adv):
-        tokens = prompt + list(s.tokens)
-        n_prompt = len(prompt) - 1
-        logprobs = np.array([0.0] * n_prompt + list(s.logprobs), dtype=np.float32)
-        advantages = np.array([0.0] * n_prompt + [a] * len(s.tokens), dtype=np.float32)
-        data.append(mod.Datum(model_input=mod.ModelInput.from_ints(tokens[:-1]),
-                              loss_fn_inputs=dict(target_tokens=np.array(tokens[1:], dtype=np.int64),
-                                                  logprobs=logprobs, advantages=advantages)))
-    return data, float(rewards.mean())
-
-
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo", "cispo"])
 def test_rl_loop_matches_in_process_core(sdk, resident, tmp_path, loss_fn):
     tc = sdk.create_lora_training_client(base_model="tiny", rank=4).result()
@@ -83,8 +68,8 @@ def test_rl_loop_matches_in_process_core(sdk, resident, tmp_path, loss_fn):
         assert [list(s.tokens) for s in sampled] == [s.tokens for s in local_sampled.sequences]
         np.testing.assert_array_equal(np.concatenate([s.logprobs for s in sampled]).astype(np.float32),
                                       np.concatenate([s.logprobs for s in local_sampled.sequences]).astype(np.float32))
-        data, _ = _rl_batch(types, sampled, prompt)
-        local_data, _ = _rl_batch(core.types, local_sampled.sequences, prompt)
+        data, _ = rl_batch(types, sampled, prompt)
+        local_data, _ = rl_batch(core.types, local_sampled.sequences, prompt)
         out = tc.forward_backward(data, loss_fn).result()
         ref = local.forward_backward(local_data, loss_fn).result()
         assert np.isfinite(out.metrics["loss:sum"]) and out.metrics["loss:sum"] == ref.metrics["loss:sum"]

@@ -22,6 +22,7 @@ import torch
 from tinker import types
 
 import dsv4flash.service as core
+from tests.service.http_server import rl_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.whole_machine]
 
@@ -141,20 +142,6 @@ def test_supervised_loop_equals_the_local_trainer(megatron, tmp_path):
     assert state["step"] == 4 and len(state["optimizer"]["state"]) == len(local.adapter)
 
 
-def _rl_batch(mod, sampled, prompt):
-    rewards = np.array([np.mean([t % 2 == 0 for t in s.tokens]) for s in sampled])
-    adv = rewards - rewards.mean()
-    data = []
-    for s, a in zip(sampled, adv):
-        tokens = prompt + list(s.tokens)
-        n_prompt = len(prompt) - 1
-        data.append(mod.Datum(model_input=mod.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=dict(
-            target_tokens=np.array(tokens[1:], dtype=np.int64),
-            logprobs=np.array([0.0] * n_prompt + list(s.logprobs), dtype=np.float32),
-            advantages=np.array([0.0] * n_prompt + [a] * len(s.tokens), dtype=np.float32))))
-    return data
-
-
 @pytest.mark.parametrize("loss_fn", ["importance_sampling", "ppo"])
 def test_rl_loop_equals_the_local_trainer(megatron, tmp_path, loss_fn):
     sdk = _sdk(megatron["server"])
@@ -171,9 +158,9 @@ def test_rl_loop_equals_the_local_trainer(megatron, tmp_path, loss_fn):
         assert [list(s.tokens) for s in sampled] == [list(s.tokens) for s in ref], f"step {step}: other tokens"
         np.testing.assert_allclose(np.concatenate([s.logprobs for s in sampled]),
                                    np.concatenate([s.logprobs for s in ref]), rtol=0, atol=LOGPROB_ATOL)
-        data = _rl_batch(types, sampled, prompt)
+        data, _ = rl_batch(types, sampled, prompt)
         out = tc.forward_backward(data, loss_fn).result()
-        want = local.forward_backward(_rl_batch(core.types, ref, prompt), loss_fn).result()
+        want = local.forward_backward(rl_batch(core.types, ref, prompt)[0], loss_fn).result()
         # A = r − mean(r) sums to 0, so on-policy the loss is a sum that cancels to ~0: relative to its terms' size
         for i, (d, got, exp) in enumerate(zip(data, out.loss_fn_outputs, want.loss_fn_outputs)):
             scale = max(abs(float(exp["loss"].to_numpy()[0])),
