@@ -74,9 +74,9 @@ def _agent_loop_workers() -> int:
 
 def verl_cpu_env() -> dict[str, str]:
     """The environment of a CPU veRL run: the CPU platform, gloo on the loopback interface, no usage reporting."""
-    # megatron-core writes NVTE_*_ATTN into os.environ for the backend of any model this process built; the
-    # run picks its own backend and refuses inherited values that disagree.
-    env = {k: v for k, v in os.environ.items() if k not in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")}
+    from dsv4flash.integrations.mcore import child_environment
+
+    env = child_environment(dict(os.environ))
     return {**env, "VERL_PLATFORM": "cpu", "GLOO_SOCKET_IFNAME": "lo", "RAY_USAGE_STATS_ENABLED": "0"}
 
 

@@ -47,7 +47,11 @@ def megatron(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("megatron")
     state = {"dir": root, "store": root / "store", "keys": _keys(root / "keys")}
-    state["server"] = ServerProcess(state["store"], state["keys"], args=ARGS, start_timeout_s=START_S)
+    with pytest.MonkeyPatch.context() as env:
+        # what megatron-core leaves in a process that built a model with another attention backend (a suite's
+        # worker): the server's trainer workers must pick their own, not inherit it
+        env.setenv("NVTE_FUSED_ATTN", "1")
+        state["server"] = ServerProcess(state["store"], state["keys"], args=ARGS, start_timeout_s=START_S)
     yield state
     _stop(state["server"])
 

@@ -7,6 +7,16 @@ each twin decides from its gate variable, the installed release and an upstream 
 
 from __future__ import annotations
 
+# megatron-core writes these into os.environ for the attention backend of every model a process builds
+# (`LanguageModule._set_attention_backend`) and asserts on inherited values that disagree with a later model's.
+ATTENTION_BACKEND_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+def child_environment(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` without the attention-backend values megatron-core wrote for this process's own models: for a child
+    process (a server, a training run) that builds its models with the backend its own config picks."""
+    return {k: v for k, v in environ.items() if k not in ATTENTION_BACKEND_ENV}
+
 
 def register() -> dict:
     """Apply every megatron-core runtime twin; returns Patch-Id -> `dsv4flash.patching.twins.Outcome`."""

@@ -25,7 +25,11 @@ class ServerProcess:
         self.port_file = self.store.parent / f"{self.store.name}.port"
         self.port_file.unlink(missing_ok=True)
         self.log_path = self.store.parent / f"{self.store.name}.log"
-        env_all = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        from dsv4flash.integrations.mcore import child_environment
+
+        # a test or bench process that built Megatron models must not hand their attention backend to the
+        # server's trainer workers (`--trainer megatron`), which pick their own
+        env_all = {**child_environment(dict(os.environ)), "OMP_NUM_THREADS": "1", **(env or {})}
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dsv4flash", "serve", "--host", "127.0.0.1", "--port", "0", "--store",
