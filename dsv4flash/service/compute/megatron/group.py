@@ -22,6 +22,13 @@ from dsv4flash.service.plane.admission import AdmissionError, check_base
 from dsv4flash.service.compute.megatron.mapping import (DIGIT_BITS, AdapterMap, cut_from_shell, digits_needed,
                                                         pad_to_shell)
 
+# The rendezvous port of a group's ranks. veRL probes a free port, then rank 0's TCPStore binds it once the workers
+# are up (seconds to minutes later); a port from the kernel's ephemeral range (Linux: 32768-60999) can meanwhile
+# become the local end of any outgoing connection (Ray's own gRPC ones included) and the bind fails with
+# EADDRINUSE, as a group rebuilt after a server restart did under load. Ports below it are only ever taken by
+# listeners, which veRL's probe skips.
+MASTER_PORTS = [20000, 32000]
+
 
 class TrainerRestarting(RuntimeError):
     """A trainer worker died during the call: nothing of it was acknowledged; the group is being rebuilt with every
@@ -94,7 +101,7 @@ class MegatronGroup:
         self._pool = RayResourcePool(process_on_nodes=[self.world], use_gpu=self.cuda, max_colocate_count=1,
                                      name_prefix=f"dsv4flash_trainer_{int(time.time() * 1000)}")
         self.group = RayWorkerGroup(resource_pool=self._pool, ray_cls_with_init=RayClassWithInitArgs(
-            cls=ray.remote(TinkerPolicyWorker), config=self._config, role="actor"))
+            cls=ray.remote(TinkerPolicyWorker), config=self._config, role="actor"), master_port_range=MASTER_PORTS)
         t0 = time.perf_counter()
         rank_params = self.group.init_model()
         self.timings["init_model_s"] = time.perf_counter() - t0
