@@ -193,3 +193,15 @@ def test_serve_flags_are_checked_naming_the_flag():
     with pytest.raises(ValueError, match="--ray-address: 'nowhere' is not local, auto or HOST:PORT"):
         ComputePlane(ray_address="nowhere")
     assert ComputePlane(ray_address="10.0.0.1:6379").ray_address == "10.0.0.1:6379"
+
+
+def test_a_layout_the_stack_cannot_train_is_refused_before_any_worker_starts(tmp_path):
+    """The group's config goes through the same layout rules as a veRL training run (train/preflight.py)."""
+    from dsv4flash.service.compute.megatron.config import actor_config
+    from dsv4flash.service.compute.megatron.layout import TrainerLayout
+    from dsv4flash.train.preflight import RunConfigError
+
+    with pytest.raises(RunConfigError, match=r"engine\.expert_model_parallel_size=3 must divide"):
+        actor_config(tmp_path / "base", "tiny", "decoder_half", 8, TrainerLayout(ep=3), 3, tmp_path / "work",
+                     cuda=False, micro_batch=1)
+    assert not (tmp_path / "work").exists()

@@ -23,7 +23,9 @@ def actor_config(base_dir: Path, flavour: str, preset: str, max_rank: int, layou
     """The validated `actor_rollout_ref` section for a group of `world` ranks training `preset` LoRA (and the head's)
     at rank `max_rank` on the base in `base_dir` (its flavour's config)."""
     from dsv4flash.tasks.verl_export import REWARD_FUNCTION_MODULE
+    from dsv4flash.config import load_config
     from dsv4flash.train.compose import compose, to_train_config
+    from dsv4flash.train.preflight import check_parallel_layout
     from dsv4flash.train.verl_config import build_verl_config, pin_run_dir
     from dsv4flash.train.verl_engine import task_tokenizer_for
 
@@ -41,13 +43,14 @@ def actor_config(base_dir: Path, flavour: str, preset: str, max_rank: int, layou
         f"engine.ppo_mini_batch_size={world * micro_batch}",
     ]
     cfg = to_train_config(compose("decoder_lora", overrides))
+    # the layout rules of a veRL training run (one home: the run's preflight), before any worker is started
+    check_parallel_layout(cfg.engine, load_config(flavour))
     work_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = task_tokenizer_for(cfg, work_dir)
     config = build_verl_config(cfg, data_dir=str(work_dir / "unused"), output_dir=str(work_dir),
                                reward_path=REWARD_FUNCTION_MODULE,
                                tokenizer_path=None if tokenizer is None else str(tokenizer))
     section = pin_run_dir(config, str(work_dir)).actor_rollout_ref
-    from dsv4flash.config import load_config
     from dsv4flash.lora import LoraConfig
     from dsv4flash.train.verl_config import megatron_lora_targets
 
