@@ -1,9 +1,13 @@
 """How the suite shares the machine's two cores: the work units of pytest-xdist's `--dist loadgroup`.
 
 A pytest plugin (registered in tests/conftest.py). The `whole_machine` tests (a Ray cluster, multi-rank gloo
-runs: marked so; benchmarks: every tests/*/test_bench_*.py) form one group, so no two of them run side by side, and they come first, so the longest
-chain of work starts at once. A test that uses a module-, class- or package-scoped fixture goes to its module's
-group, so that fixture is built once, on one worker. Every other test is scheduled on its own.
+runs: marked so; benchmarks: every tests/*/test_bench_*.py) form one group, so no two of them run side by side, and they come first,
+so the longest chain of work starts at once. A test that uses a module-, class- or package-scoped fixture goes to
+its module's group, so that fixture is built once, on one worker. So does a both-forms test (`patch_form`,
+dsv4flash/patchseries/testing.py): its `[series]` item runs every both-forms test of the module in one subprocess
+on the patched copy, cached per worker, and compares with the `[runtime]` records of the same worker; split over
+two workers, the module's series subprocess would run on each, plus a runtime subprocess for the items whose
+`[runtime]` ran on the other. Every other test is scheduled on its own.
 
 pytest-xdist 3.8 turns an `xdist_group` mark into a `@group` suffix of the node id it reports; pytest 9.2 keeps
 node ids elsewhere, where that suffix is lost and every test silently becomes its own unit, so pyproject.toml
@@ -30,7 +34,8 @@ def group_of(item) -> str | None:
     """The loadgroup unit of a test: `whole_machine`, its module's path, or None (a unit of its own)."""
     if item.get_closest_marker(WHOLE_MACHINE) or item.path.name.startswith("test_bench_"):
         return WHOLE_MACHINE
-    return item.nodeid.split("::", 1)[0] if shares_module_state(item) else None
+    shared = shares_module_state(item) or "patch_form" in getattr(item, "fixturenames", ())
+    return item.nodeid.split("::", 1)[0] if shared else None
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks

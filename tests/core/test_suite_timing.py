@@ -59,7 +59,9 @@ def test_the_report_prints_and_the_budget_warns_then_fails(tmp_path):
 
 def test_loadgroup_runs_whole_machine_tests_and_module_fixtures_on_one_worker(tmp_path):
     """A real `-n 2 --dist loadgroup` run of a throwaway suite with tests/_scheduling.py: every whole_machine test
-    (two modules) on one worker, the users of a module fixture on one worker, the whole_machine tests first."""
+    (two modules) on one worker, the users of a module fixture on one worker, a module's both-forms tests (the
+    `patch_form` fixture of dsv4flash/patchseries/testing.py, here a stand-in of that name) on one worker, the
+    whole_machine tests first."""
     suite = tmp_path / "suite"
     suite.mkdir()
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    whole_machine: uses both cores\n")
@@ -69,7 +71,11 @@ def test_loadgroup_runs_whole_machine_tests_and_module_fixtures_on_one_worker(tm
         f"{str(REPO / 'tests' / '_scheduling.py')!r})\n"
         "sys.modules['suite_scheduling'] = module = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(module)\n"
-        "pytest_plugins = ['suite_scheduling']\n")
+        "pytest_plugins = ['suite_scheduling']\n"
+        "import pytest\n\n"
+        "@pytest.fixture(params=['runtime', 'series'])\n"
+        "def patch_form(request):\n"
+        "    return request.param\n")
     record = ("import os, time\nimport pytest\n\n"
               "def _seen(name):\n"
               f"    with open({str(tmp_path / 'seen.txt')!r}, 'a') as f:\n"
@@ -80,6 +86,7 @@ def test_loadgroup_runs_whole_machine_tests_and_module_fixtures_on_one_worker(tm
             record + "@pytest.fixture(scope='module')\ndef shared():\n    return object()\n\n"
             + "".join(f"def test_plain_{i}():\n    _seen('{module}.plain')\n\n" for i in range(3))
             + "".join(f"def test_shared_{i}(shared):\n    _seen('{module}.shared')\n\n" for i in range(3))
+            + "".join(f"def test_forms_{i}(patch_form):\n    _seen('{module}.forms')\n\n" for i in range(3))
             + "".join(f"@pytest.mark.whole_machine\ndef test_machine_{i}():\n    _seen('machine')\n\n"
                       for i in range(2)))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
@@ -91,6 +98,7 @@ def test_loadgroup_runs_whole_machine_tests_and_module_fixtures_on_one_worker(tm
     for name, worker, _ in rows:
         workers.setdefault(name, set()).add(worker)
     assert len(workers["machine"]) == 1 and len(workers["a.shared"]) == 1 and len(workers["b.shared"]) == 1, workers
+    assert len(workers["a.forms"]) == 1 and len(workers["b.forms"]) == 1, workers
     assert {w for name, w, _ in rows} == {"gw0", "gw1"}  # the other work went to both workers
     (chain,) = workers["machine"]
     on_chain = [name for name, worker, _ in sorted(rows, key=lambda r: float(r[2])) if worker == chain]
