@@ -60,6 +60,8 @@ class SuiteTiming:
     def __init__(self, config):
         self.config = config
         self.phases: list[tuple[float, str, str]] = []
+        self.busy: dict[str, float] = defaultdict(float)  # xdist worker -> seconds of phases it ran
+        self.chain = 0.0  # seconds of the whole_machine unit (one worker's serial work)
         self.start = time.monotonic()
         self.warn_s = float(config.getini("test_time_warn_minutes")) * 60
         self.fail_s = float(config.getini("test_time_fail_minutes")) * 60
@@ -67,8 +69,13 @@ class SuiteTiming:
 
     def pytest_runtest_logreport(self, report):
         """Record one phase (xdist hands the controller each worker's reports)."""
-        nodeid = report.nodeid.split("@", 1)[0]  # loadgroup's "@group" suffix is not part of the test's name
+        nodeid, _, group = report.nodeid.partition("@")  # loadgroup's "@group" suffix is not part of the name
         self.phases.append((report.duration, report.when, nodeid))
+        worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
+        if worker:
+            self.busy[worker] += report.duration
+        if group == "whole_machine":
+            self.chain += report.duration
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session):
@@ -83,6 +90,9 @@ class SuiteTiming:
                 "slowest": [{"seconds": round(d, 2), "phase": w, "test": n} for d, w, n in slowest(self.phases)],
                 "directories": {d: {"seconds": round(s, 1), "tests": c}
                                 for d, (s, c) in per_directory(self.phases).items()},
+                "workers": {w: round(s, 1) for w, s in sorted(self.busy.items())},
+                "whole_machine_s": round(self.chain, 1),
+                "phases": [{"seconds": round(d, 2), "phase": w, "test": n} for d, w, n in self.phases if d >= 0.05],
             }, indent=1) + "\n")
 
     def pytest_terminal_summary(self, terminalreporter):
@@ -98,6 +108,9 @@ class SuiteTiming:
             tr.write_line(f"{seconds:9.1f}s  {count:5d} tests  {directory}")
         total = sum(p[0] for p in self.phases)
         tr.write_line(f"{total:9.1f}s  in all phases; wall time {self.wall:.1f}s")
+        if self.busy:  # the idle worker's slack says whether the whole_machine chain is the critical path
+            tr.write_line("busy per worker: " + ", ".join(f"{w} {s:.0f}s" for w, s in sorted(self.busy.items()))
+                          + f"; the whole_machine unit (one worker, serial) {self.chain:.0f}s")
         if self.wall > self.fail_s:
             tr.write_sep("!", f"FAILED: the suite took {self.wall / 60:.1f} min, over its "
                               f"{self.fail_s / 60:.0f}-minute limit (test_time_fail_minutes): make the offenders "

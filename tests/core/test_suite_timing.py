@@ -71,7 +71,10 @@ def test_loadgroup_runs_whole_machine_tests_and_module_fixtures_on_one_worker(tm
         f"{str(REPO / 'tests' / '_scheduling.py')!r})\n"
         "sys.modules['suite_scheduling'] = module = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(module)\n"
-        "pytest_plugins = ['suite_scheduling']\n"
+        f"spec = importlib.util.spec_from_file_location('suite_timing', {str(REPO / 'tests' / '_timing.py')!r})\n"
+        "sys.modules['suite_timing'] = module = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(module)\n"
+        "pytest_plugins = ['suite_scheduling', 'suite_timing']\n"
         "import pytest\n\n"
         "@pytest.fixture(params=['runtime', 'series'])\n"
         "def patch_form(request):\n"
@@ -90,7 +93,7 @@ def test_loadgroup_runs_whole_machine_tests_and_module_fixtures_on_one_worker(tm
             + "".join(f"@pytest.mark.whole_machine\ndef test_machine_{i}():\n    _seen('machine')\n\n"
                       for i in range(2)))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
-                           "loadgroup", "--no-loadscope-reorder", "suite"], cwd=tmp_path,
+                           "loadgroup", "--no-loadscope-reorder", "--timing-json", str(tmp_path / "t.json"), "suite"], cwd=tmp_path,
                           env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]
     rows = [line.split() for line in (tmp_path / "seen.txt").read_text().splitlines()]
@@ -103,3 +106,9 @@ def test_loadgroup_runs_whole_machine_tests_and_module_fixtures_on_one_worker(tm
     (chain,) = workers["machine"]
     on_chain = [name for name, worker, _ in sorted(rows, key=lambda r: float(r[2])) if worker == chain]
     assert on_chain[:4] == ["machine"] * 4  # the whole_machine chain is its worker's first work
+    import json
+
+    figures = json.loads((tmp_path / "t.json").read_text())  # each worker's busy time, the chain's
+    assert set(figures["workers"]) == {"gw0", "gw1"} and 1.2 <= figures["whole_machine_s"] < sum(
+        figures["workers"].values()), figures
+    assert "busy per worker: gw0" in done.stdout and "the whole_machine unit" in done.stdout
