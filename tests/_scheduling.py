@@ -30,18 +30,30 @@ def shares_module_state(item) -> bool:
                for defs in (info.name2fixturedefs.get(name) for name in info.names_closure))
 
 
-def group_of(item) -> str | None:
-    """The loadgroup unit of a test: `whole_machine`, its module's path, or None (a unit of its own)."""
+def both_forms(item) -> bool:
+    """Whether the test is a both-forms test (`patch_form`): its module's series subprocess runs all of them."""
+    return "patch_form" in getattr(item, "fixturenames", ())
+
+
+def group_of(item, machine_modules: frozenset = frozenset()) -> str | None:
+    """The loadgroup unit of a test: `whole_machine`, its module's path, or None (a unit of its own). A both-forms
+    test of a module in `machine_modules` (one of its both-forms tests is whole_machine) is whole_machine too: the
+    series subprocess its first `[series]` item starts runs every both-forms test of the module, that one included."""
     if item.get_closest_marker(WHOLE_MACHINE) or item.path.name.startswith("test_bench_"):
         return WHOLE_MACHINE
-    shared = shares_module_state(item) or "patch_form" in getattr(item, "fixturenames", ())
-    return item.nodeid.split("::", 1)[0] if shared else None
+    if both_forms(item) and item.path in machine_modules:
+        return WHOLE_MACHINE
+    return item.nodeid.split("::", 1)[0] if shares_module_state(item) or both_forms(item) else None
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     """Mark every test's group and put the whole_machine tests first (module order kept otherwise)."""
+    machine_modules = frozenset(item.path for item in items
+                                if both_forms(item) and group_of(item) == WHOLE_MACHINE)
+    groups = {}
     for item in items:
-        if item.get_closest_marker("xdist_group") is None and (group := group_of(item)) is not None:
+        groups[item.nodeid] = group = group_of(item, machine_modules)
+        if item.get_closest_marker("xdist_group") is None and group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: group_of(item) != WHOLE_MACHINE)
+    items.sort(key=lambda item: groups[item.nodeid] != WHOLE_MACHINE)

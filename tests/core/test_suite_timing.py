@@ -90,6 +90,8 @@ def test_loadgroup_runs_whole_machine_tests_and_module_fixtures_on_one_worker(tm
             + "".join(f"def test_plain_{i}():\n    _seen('{module}.plain')\n\n" for i in range(3))
             + "".join(f"def test_shared_{i}(shared):\n    _seen('{module}.shared')\n\n" for i in range(3))
             + "".join(f"def test_forms_{i}(patch_form):\n    _seen('{module}.forms')\n\n" for i in range(3))
+            + (f"@pytest.mark.whole_machine\ndef test_forms_machine(patch_form):\n    _seen('{module}.forms')\n\n"
+               if module == "b" else "")
             + "".join(f"@pytest.mark.whole_machine\ndef test_machine_{i}():\n    _seen('machine')\n\n"
                       for i in range(2)))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
@@ -102,10 +104,11 @@ def test_loadgroup_runs_whole_machine_tests_and_module_fixtures_on_one_worker(tm
         workers.setdefault(name, set()).add(worker)
     assert len(workers["machine"]) == 1 and len(workers["a.shared"]) == 1 and len(workers["b.shared"]) == 1, workers
     assert len(workers["a.forms"]) == 1 and len(workers["b.forms"]) == 1, workers
+    assert workers["b.forms"] == workers["machine"], workers  # a whole_machine both-forms test takes its module's
     assert {w for name, w, _ in rows} == {"gw0", "gw1"}  # the other work went to both workers
     (chain,) = workers["machine"]
     on_chain = [name for name, worker, _ in sorted(rows, key=lambda r: float(r[2])) if worker == chain]
-    assert on_chain[:4] == ["machine"] * 4  # the whole_machine chain is its worker's first work
+    assert sorted(on_chain[:12]) == ["b.forms"] * 8 + ["machine"] * 4  # the chain is its worker's first work
     import json
 
     figures = json.loads((tmp_path / "t.json").read_text())  # each worker's busy time, the chain's
