@@ -1,13 +1,15 @@
 """How the suite shares the machine's two cores: the work units of pytest-xdist's `--dist loadgroup`.
 
 A pytest plugin (registered in tests/conftest.py). The `whole_machine` tests (a Ray cluster, multi-rank gloo
-runs: marked so; benchmarks: every tests/*/test_bench_*.py) form one group, so no two of them run side by side, and they come first,
-so the longest chain of work starts at once. A test that uses a module-, class- or package-scoped fixture goes to
-its module's group, so that fixture is built once, on one worker. So does a both-forms test (`patch_form`,
-dsv4flash/patchseries/testing.py): its `[series]` item runs every both-forms test of the module in one subprocess
-on the patched copy, cached per worker, and compares with the `[runtime]` records of the same worker; split over
-two workers, the module's series subprocess would run on each, plus a runtime subprocess for the items whose
-`[runtime]` ran on the other. Every other test is scheduled on its own.
+runs: marked so; benchmarks: every tests/*/test_bench_*.py) form one group, so no two of them run side by side,
+and they come first, so the longest chain of work starts at once. A test that uses a module-, class- or
+package-scoped fixture goes to its module's group, so that fixture is built once, on one worker. So does a
+both-forms test (`patch_form`, dsv4flash/patchseries/testing.py): its `[series]` item runs every both-forms test of
+the module in one subprocess on the patched copy, cached per worker, and compares with the `[runtime]` records of
+the same worker; split over two workers, the module's series subprocess would run on each, plus a runtime
+subprocess for the items whose `[runtime]` ran on the other. A module with a whole_machine both-forms test puts all
+its both-forms tests in the whole_machine group, since that subprocess runs them all. Every other test is
+scheduled on its own.
 
 pytest-xdist 3.8 turns an `xdist_group` mark into a `@group` suffix of the node id it reports; pytest 9.2 keeps
 node ids elsewhere, where that suffix is lost and every test silently becomes its own unit, so pyproject.toml

@@ -2,9 +2,11 @@
 
 A pytest plugin (registered in tests/conftest.py). At the end of a run it prints the 30 slowest phases (setup,
 call, teardown: a fixture's cost shows as the setup of the first test that builds it) and the total per
-directory under tests/, and holds the run to the suite's budget: past `test_time_warn_minutes` of wall time it
-warns with the top offenders, past `test_time_fail_minutes` the run fails. `--timing-json PATH` writes the
-same figures for docs/testing.md. Under pytest-xdist only the controller reports (workers' reports reach it).
+directory under tests/, under pytest-xdist each worker's busy seconds and the `whole_machine` unit's (whether that
+serial chain is the critical path), and holds the run to the suite's budget: past `test_time_warn_minutes` of wall
+time it warns with the top offenders, past `test_time_fail_minutes` the run fails. `--timing-json PATH` writes the
+same figures, and every phase, for docs/testing.md. Under pytest-xdist only the controller reports (workers'
+reports reach it).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class SuiteTiming:
         worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
         if worker:
             self.busy[worker] += report.duration
-        if group == "whole_machine":
+        if group == "whole_machine":  # tests/_scheduling.py's WHOLE_MACHINE unit (this plugin loads on its own)
             self.chain += report.duration
 
     @pytest.hookimpl(tryfirst=True)
@@ -92,7 +94,7 @@ class SuiteTiming:
                                 for d, (s, c) in per_directory(self.phases).items()},
                 "workers": {w: round(s, 1) for w, s in sorted(self.busy.items())},
                 "whole_machine_s": round(self.chain, 1),
-                "phases": [{"seconds": round(d, 2), "phase": w, "test": n} for d, w, n in self.phases if d >= 0.05],
+                "phases": [{"seconds": round(d, 2), "phase": w, "test": n} for d, w, n in self.phases],
             }, indent=1) + "\n")
 
     def pytest_terminal_summary(self, terminalreporter):

@@ -95,8 +95,8 @@ def test_loadgroup_runs_whole_machine_tests_and_module_fixtures_on_one_worker(tm
             + "".join(f"@pytest.mark.whole_machine\ndef test_machine_{i}():\n    _seen('machine')\n\n"
                       for i in range(2)))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
-                           "loadgroup", "--no-loadscope-reorder", "--timing-json", str(tmp_path / "t.json"), "suite"], cwd=tmp_path,
-                          env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=300)
+                           "loadgroup", "--no-loadscope-reorder", "--timing-json", str(tmp_path / "t.json"), "suite"],
+                          cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:]
     rows = [line.split() for line in (tmp_path / "seen.txt").read_text().splitlines()]
     workers: dict[str, set[str]] = {}
